@@ -1,0 +1,188 @@
+"""Test launchers and independent references.
+
+* :func:`run_threaded` -- a world of ``n`` threads on torch's ``threaded`` backend: real
+  collectives (all_to_all_single, all_gather, ...) between threads, milliseconds to start.
+* :func:`run_spawned` -- a real gloo world of ``n`` processes (free port, retried on
+  "address in use"); each rank's exception is re-raised here naming the rank.
+* :func:`reference_attention` -- float64 softmax attention written out by hand over the
+  whole sequence (no SDPA): the oracle every parallel result is compared with.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import sys
+import threading
+import traceback
+from typing import Callable, List, Optional
+
+import torch
+import torch.distributed as dist
+
+
+# ----------------------------------------------------------------------------- threads
+def run_threaded(world_size: int, fn: Callable, *args, timeout: float = 120.0) -> List:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` threads joined by the threaded
+    backend; return the per-rank results, or raise the first rank's exception."""
+    from torch.testing._internal.distributed.multi_threaded_pg import (
+        ProcessLocalGroup,
+        _install_threaded_pg,
+        _uninstall_threaded_pg,
+    )
+
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)
+    world = _install_threaded_pg()
+    store = dist.HashStore()
+    results: List = [None] * world_size
+    errors: List = [None] * world_size
+
+    def worker(rank):
+        dist.init_process_group("threaded", rank=rank, world_size=world_size, store=store)
+        try:
+            results[rank] = fn(rank, world_size, *args)
+        except BaseException as ex:  # noqa: BLE001 - re-raised in the caller
+            errors[rank] = (ex, traceback.format_exc())
+            ProcessLocalGroup.exception_handle(ex)
+        finally:
+            if world == dist.distributed_c10d._world:
+                dist.destroy_process_group()
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in range(world_size)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout)
+            if t.is_alive():
+                raise TimeoutError(f"threaded world of {world_size} did not finish in {timeout}s")
+    finally:
+        ProcessLocalGroup.reset()
+        _uninstall_threaded_pg()
+        torch._C._distributed_c10d._set_thread_isolation_mode(False)
+    # Prefer the first "real" error over the ones peers got from the termination signal.
+    real = [(r, e) for r, e in enumerate(errors) if e is not None and "Terminate" not in type(e[0]).__name__]
+    for r, e in real or [(r, e) for r, e in enumerate(errors) if e is not None]:
+        raise RankError(r, e[0], e[1]) from e[0]
+    return results
+
+
+def run_threaded_errors(world_size: int, fn: Callable, *args) -> List[Optional[BaseException]]:
+    """Like :func:`run_threaded` but return each rank's exception (or None) instead of raising."""
+
+    def wrapped(rank, ws, *a):
+        try:
+            fn(rank, ws, *a)
+        except Exception as ex:  # noqa: BLE001
+            return ex
+        return None
+
+    return run_threaded(world_size, wrapped, *args)
+
+
+class RankError(RuntimeError):
+    def __init__(self, rank, exc, tb):
+        super().__init__(f"rank {rank} failed: {type(exc).__name__}: {exc}\n{tb}")
+        self.rank = rank
+        self.exc = exc
+
+
+# ----------------------------------------------------------------------------- processes
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn_entry(rank, world_size, port, fn, args, queue):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+        WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
+    )
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        out = fn(rank, world_size, *args)
+        queue.put((rank, "ok", out))
+    except BaseException as ex:  # noqa: BLE001
+        queue.put((rank, "error", f"{type(ex).__name__}: {ex}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_spawned(world_size: int, fn: Callable, *args, timeout: float = 600.0, retries: int = 3):
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; return results."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    for attempt in range(retries):
+        queue = ctx.SimpleQueue()
+        port = free_port()
+        procs = [
+            ctx.Process(target=_spawn_entry, args=(r, world_size, port, fn, args, queue))
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout)
+        alive = [p for p in procs if p.is_alive()]
+        for p in alive:
+            p.kill()
+        msgs = []
+        while not queue.empty():
+            msgs.append(queue.get())
+        errors = {r: m for r, status, m in msgs if status == "error"}
+        if errors and attempt + 1 < retries and any("address already in use" in m.lower() for m in errors.values()):
+            continue
+        if alive:
+            raise TimeoutError(f"{len(alive)} of {world_size} ranks still running after {timeout}s")
+        if errors:
+            r = min(errors)
+            raise RuntimeError(f"rank {r} failed: {errors[r]}")
+        results = [None] * world_size
+        for r, status, m in msgs:
+            results[r] = m
+        return results
+    raise RuntimeError("could not start a gloo world")
+
+
+# ----------------------------------------------------------------------------- references
+def reference_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    layout: str = "sbhd",
+    softmax_scale: Optional[float] = None,
+    attention_mask: Optional[torch.Tensor] = None,
+    attention_bias: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """float64 attention on the full sequence, by hand: softmax(q k^T * scale + bias) v.
+
+    GQA: query head ``i`` uses kv head ``i // (hq / hk)``.  Masked (True) positions are
+    excluded; a row with nothing allowed gives zeros."""
+    to_bhsd = (lambda t: t.permute(1, 2, 0, 3)) if layout == "sbhd" else (lambda t: t.transpose(1, 2))
+    qb, kb, vb = (to_bhsd(t).double() for t in (q, k, v))
+    hq, hk = qb.shape[1], kb.shape[1]
+    kb = kb.repeat_interleave(hq // hk, dim=1)
+    vb = vb.repeat_interleave(hq // hk, dim=1)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(qb.shape[-1])
+    scores = torch.einsum("bhqd,bhkd->bhqk", qb, kb) * scale
+    if attention_bias is not None:
+        scores = scores + attention_bias.double()
+    S, Sk = scores.shape[-2:]
+    allowed = torch.ones(S, Sk, dtype=torch.bool)
+    if causal:
+        allowed = allowed.tril()
+    allowed = allowed.expand_as(scores)
+    if attention_mask is not None:
+        allowed = allowed & ~attention_mask
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    probs = torch.nan_to_num(probs, nan=0.0)  # fully masked rows
+    out = torch.einsum("bhqk,bhkd->bhqd", probs, vb)
+    return out.permute(2, 0, 1, 3) if layout == "sbhd" else out.transpose(1, 2)

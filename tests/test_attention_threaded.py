@@ -1,0 +1,145 @@
+"""ulysses_attention forward and backward against float64 full-sequence attention.
+
+Tier 2: threaded process groups (real collectives between threads), P = 2, 4, 8.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ulysses_mcore
+from ulysses_mcore import checks, comm
+from tests.helpers import reference_attention, run_threaded
+
+FP32_RTOL = 1e-5  # max |err| / max |ref|
+BF16_RTOL = 2e-2
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+
+def make_inputs(seed, S, b, hq, hk, d, layout, dtype=torch.float32, mask=False, bias=False):
+    g = torch.Generator().manual_seed(seed)
+    shape = (lambda h: (S, b, h, d)) if layout == "sbhd" else (lambda h: (b, S, h, d))
+    q = torch.randn(shape(hq), generator=g).to(dtype)
+    k = torch.randn(shape(hk), generator=g).to(dtype)
+    v = torch.randn(shape(hk), generator=g).to(dtype)
+    dout = torch.randn(shape(hq), generator=g).to(dtype)
+    m = bi = None
+    if mask:  # padding-style: last tokens of batch 1 are masked as keys, plus random holes
+        m = torch.rand(b, 1, S, S, generator=g) < 0.2
+        m[-1, :, :, S - 3 :] = True
+    if bias:
+        bi = torch.randn(1, hq, S, S, generator=g).to(dtype)
+    return q, k, v, dout, m, bi
+
+
+def run_case(P, S, b, hq, hk, d, layout, causal, dtype=torch.float32, mask=False, bias=False,
+             backend="sdpa", scale=None):
+    q, k, v, dout, m, bi = make_inputs(P * 1000 + hq * 10 + hk, S, b, hq, hk, d, layout, dtype, mask, bias)
+    sd = 0 if layout == "sbhd" else 1
+
+    def rank_fn(rank, world):
+        group = dist.group.WORLD
+        qs, ks, vs = (t.chunk(world, dim=sd)[rank].clone().requires_grad_() for t in (q, k, v))
+        out = ulysses_mcore.ulysses_attention(
+            qs, ks, vs, group=group, causal=causal, layout=layout, backend=backend,
+            softmax_scale=scale, attention_mask=m, attention_bias=bi,
+        )
+        out.backward(dout.chunk(world, dim=sd)[rank])
+        return out.detach(), qs.grad, ks.grad, vs.grad
+
+    res = run_threaded(P, rank_fn)
+    got = [torch.cat([r[i] for r in res], dim=sd) for i in range(4)]
+
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+    ref = reference_attention(qr, kr, vr, causal=causal, layout=layout, softmax_scale=scale,
+                              attention_mask=m, attention_bias=bi)
+    ref.backward(dout.double())
+    want = [ref.detach(), qr.grad, kr.grad, vr.grad]
+    return [rel_err(a, b_) for a, b_ in zip(got, want)]
+
+
+CASES = [
+    # P, S, b, hq, hk, d, layout, causal
+    (2, 16, 2, 4, 4, 8, "sbhd", True),
+    (2, 16, 2, 4, 4, 8, "sbhd", False),
+    (2, 16, 2, 4, 4, 8, "bshd", True),
+    (2, 16, 1, 4, 2, 7, "bshd", False),
+    (4, 32, 2, 8, 8, 16, "sbhd", True),
+    (4, 32, 2, 8, 2, 16, "sbhd", True),   # GQA 8 q / 2 kv at P=4: kv replicated x2
+    (4, 32, 2, 8, 2, 16, "bshd", False),
+    (4, 32, 2, 8, 1, 8, "sbhd", True),    # MQA at P=4: kv replicated x4
+    (4, 32, 3, 8, 1, 5, "bshd", True),    # MQA, odd head dim, odd batch
+    (4, 32, 2, 8, 4, 8, "sbhd", False),   # kv scattered, 1 per rank
+    (8, 32, 2, 8, 8, 8, "sbhd", True),
+    (8, 32, 2, 16, 8, 8, "bshd", True),   # 2 q / 1 kv per rank
+    (8, 64, 1, 8, 2, 24, "sbhd", False),  # kv replicated x4 at P=8
+    (2, 16, 2, 6, 3, 13, "sbhd", True),   # odd head dim 13, odd kv heads scattered... 3 % 2 != 0
+]
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if comm.head_plan_error(c[3], c[4], c[0]) is None],
+                         ids=lambda c: "P{}_s{}_b{}_q{}kv{}_d{}_{}_{}".format(*c[:7], "causal" if c[7] else "full"))
+def test_fp32_matches_float64_reference(case):
+    errs = run_case(*case)
+    assert max(errs) < FP32_RTOL, f"rel errors out, dq, dk, dv = {errs}"
+
+
+@pytest.mark.parametrize("layout", ["sbhd", "bshd"])
+def test_mask_and_bias(layout):
+    errs = run_case(4, 32, 2, 8, 2, 8, layout, causal=True, mask=True, bias=True)
+    assert max(errs) < FP32_RTOL, errs
+    errs = run_case(2, 16, 2, 4, 4, 8, layout, causal=False, mask=True)
+    assert max(errs) < FP32_RTOL, errs
+
+
+def test_custom_scale_and_callable_backend():
+    calls = []
+
+    def kernel(q, k, v, *, causal, softmax_scale):
+        calls.append(q.shape)
+        return ulysses_mcore.backends.sdpa_attention(q, k, v, causal=causal, softmax_scale=softmax_scale)
+
+    errs = run_case(4, 32, 2, 8, 2, 8, "sbhd", True, backend=kernel, scale=0.3)
+    assert max(errs) < FP32_RTOL, errs
+    # the kernel saw the gathered sequence and this rank's heads: [S, b, hq/P, d]
+    assert calls and all(tuple(c) == (32, 2, 2, 8) for c in calls)
+
+
+@pytest.mark.parametrize("P,hq,hk", [(2, 4, 4), (4, 8, 2), (4, 8, 1)])
+def test_bf16(P, hq, hk):
+    errs = run_case(P, 32, 2, hq, hk, 16, "sbhd", True, dtype=torch.bfloat16)
+    assert max(errs) < BF16_RTOL, errs
+
+
+def test_collective_count_per_call():
+    q, k, v, dout, _, _ = make_inputs(0, 16, 1, 4, 2, 8, "sbhd")
+
+    def rank_fn(rank, world):
+        qs, ks, vs = (t.chunk(world)[rank].clone().requires_grad_() for t in (q, k, v))
+        a0, g0 = comm.COLLECTIVE_CALLS["all_to_all_single"], checks.COLLECTIVE_CALLS["all_gather"]
+        dist.barrier()
+        out = ulysses_mcore.ulysses_attention(qs, ks, vs, group=dist.group.WORLD, causal=True)
+        dist.barrier()
+        a1, g1 = comm.COLLECTIVE_CALLS["all_to_all_single"], checks.COLLECTIVE_CALLS["all_gather"]
+        dist.barrier()
+        out.backward(dout.chunk(world)[rank])
+        dist.barrier()
+        a2 = comm.COLLECTIVE_CALLS["all_to_all_single"]
+        return a1 - a0, g1 - g0, a2 - a1
+
+    # counters are per process, shared by the threads: divide by the world size
+    res = run_threaded(2, rank_fn)
+    fwd_a2a, fwd_gather, bwd_a2a = (x / 2 for x in res[0])
+    assert (fwd_a2a, fwd_gather, bwd_a2a) == (2, 1, 2)
+
+
+def test_group_of_one_is_direct():
+    q, k, v, dout, _, _ = make_inputs(1, 16, 2, 4, 2, 8, "sbhd")
+    before = comm.COLLECTIVE_CALLS["all_to_all_single"]
+    out = ulysses_mcore.ulysses_attention(q, k, v, group=None, causal=True)
+    assert comm.COLLECTIVE_CALLS["all_to_all_single"] == before
+    ref = reference_attention(q, k, v, causal=True)
+    assert rel_err(out, ref) < FP32_RTOL

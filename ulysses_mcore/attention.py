@@ -1,0 +1,199 @@
+"""Ulysses attention: all-to-all -> any ordinary attention kernel -> all-to-all.
+
+:func:`ulysses_attention` is the functional form; :class:`UlyssesAttention` is a
+Megatron-Core ``core_attention`` module with Megatron's builder keywords and forward
+signature, to be put into a layer spec in place of ``DotProductAttention`` /
+``TEDotProductAttention``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from . import checks, state
+from .backends import Kernel, resolve
+from .comm import HeadPlan, head_plan_error, head_to_seq, seq_to_head
+
+
+def _local_heads(t: Optional[torch.Tensor], rank: int, per_rank: int, total: int):
+    """Slice this rank's heads out of a mask / bias whose dim 1 is heads (or 1: broadcast)."""
+    if t is None or t.shape[1] == 1 or per_rank == total:
+        return t
+    return t[:, rank * per_rank : (rank + 1) * per_rank]
+
+
+def ulysses_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    group,
+    causal: bool,
+    layout: str = "sbhd",
+    backend: Union[str, Kernel] = "sdpa",
+    softmax_scale: Optional[float] = None,
+    attention_mask: Optional[torch.Tensor] = None,
+    attention_bias: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    check: bool = True,
+) -> torch.Tensor:
+    """Exact attention over a sequence whose tokens are sharded contiguously over ``group``.
+
+    Rank ``r`` of ``group`` (size ``P``) holds tokens ``r*s/P ... (r+1)*s/P - 1`` of every
+    sequence: ``query [s/P, b, hq, d]`` and ``key``/``value [s/P, b, hk, d]`` for
+    ``layout="sbhd"`` (``[b, s/P, h, d]`` for ``"bshd"``).  Returns this rank's output
+    shard ``[s/P, b, hq, d]`` (same layout).  Differentiable.
+
+    ``attention_mask`` (bool, True = masked, Megatron's convention) and ``attention_bias``
+    (additive) cover the *full* sequence: ``[b or 1, hq or 1, s, s]``.
+
+    With ``check=True`` (default) the ranks first all-gather a few integers describing
+    their inputs, so a bad input raises the same ``ValueError`` on every rank instead of
+    hanging a collective.  ``check=False`` skips that (validation is then local only).
+
+    Collectives: forward 2 all_to_all_single (+1 tiny all_gather when ``check``),
+    backward 2 all_to_all_single.  ``group=None`` or a group of size 1 runs the kernel
+    directly with no collective.
+    """
+    degree = 1 if group is None else dist.get_world_size(group)
+    vec = checks.describe(
+        query, key, value, layout=layout, backend=backend, causal=causal,
+        attention_mask=attention_mask, attention_bias=attention_bias,
+    )
+    vectors = checks.gather(vec, group) if (check and degree > 1) else [vec] * degree
+    problem = checks.find_problem(vectors)
+    if problem:
+        raise ValueError(f"ulysses_attention: {problem}")
+    kernel = resolve(backend)
+    kw = dict(causal=causal, softmax_scale=softmax_scale, layout=layout)
+    if attention_mask is not None:
+        kw["attention_mask"] = attention_mask
+    if attention_bias is not None:
+        kw["attention_bias"] = attention_bias
+    if dropout_p:
+        kw["dropout_p"] = dropout_p
+    if degree == 1:
+        return kernel(query, key, value, **kw)
+
+    plan = HeadPlan(query.shape[2], key.shape[2], degree)
+    rank = dist.get_rank(group)
+    q, k, v = seq_to_head(query, key, value, group, plan, layout)
+    for name in ("attention_mask", "attention_bias"):
+        if name in kw:
+            kw[name] = _local_heads(kw[name], rank, plan.q_per_rank, plan.num_q_heads)
+    out = kernel(q, k, v, **kw)
+    return head_to_seq(out, group, degree, layout)
+
+
+# ----------------------------------------------------------------------------------
+# Megatron-Core core_attention module
+# ----------------------------------------------------------------------------------
+from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
+from megatron.core.transformer.module import MegatronModule  # noqa: E402
+
+
+class UlyssesAttention(MegatronModule):
+    """Drop-in ``core_attention`` for Megatron-Core's ``SelfAttention``.
+
+    Builder keywords are Megatron's (``config, layer_number, attn_mask_type,
+    attention_type, attention_dropout, softmax_scale, cp_comm_type, pg_collection``) plus
+    ``ulysses_group`` (default: the group registered by :func:`ulysses_mcore.initialize`)
+    and ``backend`` (``"sdpa"``, ``"flash"``, ``"te"`` or a callable).
+
+    Forward takes Megatron's ``query [s/P, b, hq, d]``, ``key``/``value [s/P, b, hk, d]``
+    for the local token shard and returns ``[s/P, b, hq*d]``.  ``attn_mask_type`` causal
+    ignores ``attention_mask`` (as Transformer Engine does); padding / arbitrary masks must
+    cover the full sequence ``[b or 1, 1 or heads, s, s]`` (True = masked).
+    """
+
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str = "self",
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection=None,
+        ulysses_group=None,
+        backend: Union[str, Kernel] = "sdpa",
+        check: bool = True,
+    ):
+        super().__init__(config=config)
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+        self.backend = backend
+        self.check = check
+        self.current_max_attn_logits = None
+
+        tp_group = getattr(pg_collection, "tp", None) if pg_collection is not None else None
+        if tp_group is None:
+            from megatron.core import parallel_state
+
+            tp = parallel_state.get_tensor_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
+        else:
+            tp = dist.get_world_size(tp_group)
+        self.group = ulysses_group if ulysses_group is not None else state.get_ulysses_group()
+        self.degree = 1 if self.group is None else dist.get_world_size(self.group)
+
+        heads, groups = config.num_attention_heads, config.num_query_groups or config.num_attention_heads
+        if heads % tp or groups % tp:
+            raise ValueError(
+                f"--tensor-model-parallel-size {tp} must divide --num-attention-heads {heads} "
+                f"and --num-query-groups {groups}"
+            )
+        # Head counts live on the instance, never in process-global state.
+        self.num_q_heads = heads // tp
+        self.num_kv_heads = groups // tp
+        self.head_dim = config.kv_channels
+        err = head_plan_error(self.num_q_heads, self.num_kv_heads, self.degree)
+        if err:
+            raise ValueError(
+                f"--ulysses-degree {self.degree} does not fit the heads per tensor-parallel rank "
+                f"(tp={tp}, --num-attention-heads {heads}, --num-query-groups {groups}): {err}"
+            )
+        if getattr(config, "softmax_type", "vanilla") != "vanilla":
+            raise ValueError(
+                f"UlyssesAttention supports softmax_type='vanilla' only, got {config.softmax_type!r}"
+            )
+        if getattr(config, "window_size", None) is not None:
+            raise ValueError(
+                "UlyssesAttention does not implement sliding-window attention (config.window_size="
+                f"{config.window_size}); unset --window-size"
+            )
+        self.softmax_scale = (
+            softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
+        )
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[torch.Tensor] = None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:
+        if packed_seq_params is not None:
+            raise ValueError(
+                "UlyssesAttention: packed sequences (packed_seq_params / THD) are not supported "
+                "yet; use unpacked [s, b, h, d] batches"
+            )
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
+        mask = None if mask_type in (AttnMaskType.causal, AttnMaskType.no_mask) else attention_mask
+        out = ulysses_attention(
+            query, key, value,
+            group=self.group, causal=causal, layout="sbhd", backend=self.backend,
+            softmax_scale=self.softmax_scale, attention_mask=mask, attention_bias=attention_bias,
+            dropout_p=self.dropout_p if self.training else 0.0, check=self.check,
+        )
+        return out.reshape(out.shape[0], out.shape[1], -1)

@@ -1,0 +1,191 @@
+"""Inner attention kernels, run on the gathered sequence for this rank's heads.
+
+Every kernel takes ``q [S, b, hq, d]`` (``sbhd``) or ``[b, S, hq, d]`` (``bshd``) and
+``k, v`` with ``hk`` heads (``hq % hk == 0``: grouped-query attention is the kernel's
+job), and returns the output in the same layout.  Nothing here knows about ranks.
+
+* ``sdpa``  -- ``torch.nn.functional.scaled_dot_product_attention``: CPU and GPU, masks,
+  additive bias, dropout.
+* ``flash`` -- flash-attn 2/3 ``flash_attn_func`` (CUDA, fp16/bf16, causal or none).
+* ``te``    -- Transformer Engine ``DotProductAttention`` with its own context
+  parallelism off (CUDA).
+* any callable ``(q, k, v, *, causal, softmax_scale) -> out``.
+
+Megatron's mask convention is kept: a boolean ``attention_mask`` is True where attention
+is *not* allowed, broadcastable to ``[b, hq, S, S]``.  A query row with no allowed key
+gives a zero output row (torch's convention).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Callable, Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+BUILTIN_BACKENDS = ("sdpa", "flash", "te")
+Kernel = Callable[..., torch.Tensor]
+
+
+def _to_bhsd(x: torch.Tensor, layout: str) -> torch.Tensor:
+    return x.permute(1, 2, 0, 3) if layout == "sbhd" else x.transpose(1, 2)
+
+
+def _from_bhsd(x: torch.Tensor, layout: str) -> torch.Tensor:
+    return x.permute(2, 0, 1, 3) if layout == "sbhd" else x.transpose(1, 2)
+
+
+def sdpa_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    softmax_scale: Optional[float] = None,
+    layout: str = "sbhd",
+    attention_mask: Optional[torch.Tensor] = None,
+    attention_bias: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """Scaled dot-product attention in ``layout``; zero-copy views in and out."""
+    qb, kb, vb = (_to_bhsd(t, layout) for t in (q, k, v))
+    mask = None
+    if attention_mask is not None or attention_bias is not None:
+        S, Sk = qb.shape[2], kb.shape[2]
+        allowed = None
+        if attention_mask is not None:
+            allowed = ~attention_mask.to(torch.bool)
+        if causal:
+            tri = torch.ones(S, Sk, dtype=torch.bool, device=q.device).tril()
+            allowed = tri if allowed is None else allowed & tri
+        if attention_bias is not None:
+            mask = attention_bias.to(q.dtype)
+            if allowed is not None:
+                mask = mask.masked_fill(~allowed, float("-inf"))
+        else:
+            mask = allowed
+        causal = False
+    out = F.scaled_dot_product_attention(
+        qb,
+        kb,
+        vb,
+        attn_mask=mask,
+        dropout_p=dropout_p,
+        is_causal=causal,
+        scale=softmax_scale,
+        enable_gqa=qb.shape[1] != kb.shape[1],
+    )
+    return _from_bhsd(out, layout)
+
+
+def flash_attention(q, k, v, *, causal, softmax_scale=None, layout="sbhd", dropout_p=0.0, **kw):
+    """flash-attn's ``flash_attn_func`` (bshd, GQA native)."""
+    if kw.get("attention_mask") is not None or kw.get("attention_bias") is not None:
+        raise ValueError(
+            "backend='flash' supports causal or no mask only; got an attention_mask or "
+            "attention_bias: use backend='sdpa' (or 'te') for masks and bias"
+        )
+    try:
+        from flash_attn_interface import flash_attn_func  # flash-attn 3 (Hopper)
+
+        fa3 = True
+    except ImportError:
+        from flash_attn import flash_attn_func
+
+        fa3 = False
+    to_bshd = (lambda t: t.transpose(0, 1)) if layout == "sbhd" else (lambda t: t)
+    qb, kb, vb = (to_bshd(t) for t in (q, k, v))
+    if fa3:
+        out = flash_attn_func(qb, kb, vb, softmax_scale=softmax_scale, causal=causal)
+        out = out[0] if isinstance(out, tuple) else out
+    else:
+        out = flash_attn_func(qb, kb, vb, dropout_p, softmax_scale=softmax_scale, causal=causal)
+    return to_bshd(out)
+
+
+_TE_CACHE: dict = {}
+
+
+def te_attention(q, k, v, *, causal, softmax_scale=None, layout="sbhd", dropout_p=0.0, **kw):
+    """Transformer Engine ``DotProductAttention``, context parallelism off."""
+    import transformer_engine.pytorch as te
+
+    mask, bias = kw.get("attention_mask"), kw.get("attention_bias")
+    hq, hk, d = q.shape[2], k.shape[2], q.shape[3]
+    if mask is not None:
+        mask_type = "padding_causal" if causal else "arbitrary"
+    else:
+        mask_type = "causal" if causal else "no_mask"
+    key = (hq, hk, d, softmax_scale, layout, mask_type, dropout_p, q.device)
+    mod = _TE_CACHE.get(key)
+    if mod is None:
+        mod = te.DotProductAttention(
+            num_attention_heads=hq,
+            kv_channels=d,
+            num_gqa_groups=hk,
+            attention_dropout=dropout_p,
+            qkv_format=layout,
+            attn_mask_type=mask_type,
+            softmax_scale=softmax_scale,
+        )
+        _TE_CACHE[key] = mod
+    extra = {}
+    if bias is not None:
+        extra = {"core_attention_bias_type": "post_scale_bias", "core_attention_bias": bias}
+    out = mod(q, k, v, attention_mask=mask, attn_mask_type=mask_type, **extra)
+    return out.view(*q.shape[:2], hq, d)
+
+
+def is_installed(name: str) -> bool:
+    if name == "sdpa":
+        return True
+    if name == "flash":
+        return (
+            importlib.util.find_spec("flash_attn") is not None
+            or importlib.util.find_spec("flash_attn_interface") is not None
+        ) and torch.cuda.is_available()
+    if name == "te":
+        return importlib.util.find_spec("transformer_engine") is not None and torch.cuda.is_available()
+    return False
+
+
+def backend_error(backend) -> Optional[str]:
+    """Why ``backend`` cannot be used here, or ``None``."""
+    if callable(backend):
+        return None
+    if backend not in BUILTIN_BACKENDS:
+        return (
+            f"backend={backend!r} is unknown: use one of {list(BUILTIN_BACKENDS)} or a callable "
+            "(q, k, v, *, causal, softmax_scale) -> out"
+        )
+    if not is_installed(backend):
+        extra = {"flash": "flash", "te": "te"}[backend]
+        pkg = {"flash": "flash-attn", "te": "transformer-engine"}[backend]
+        return (
+            f"backend={backend!r} needs {pkg} and a CUDA GPU, which this process lacks: "
+            f"pip install 'ulysses-mcore[{extra}]' on a GPU node, or use backend='sdpa'"
+        )
+    return None
+
+
+def resolve(backend: Union[str, Kernel]) -> Kernel:
+    """The kernel for ``backend`` (call :func:`backend_error` first for a clean message)."""
+    err = backend_error(backend)
+    if err:
+        raise ValueError(err)
+    if callable(backend):
+        user = backend
+
+        def call_user(q, k, v, *, causal, softmax_scale=None, layout="sbhd", **kw):
+            if any(kw.get(n) is not None for n in ("attention_mask", "attention_bias")) or kw.get(
+                "dropout_p"
+            ):
+                raise ValueError(
+                    "a callable backend takes (q, k, v, *, causal, softmax_scale) only: "
+                    "masks, bias and dropout need backend='sdpa' or 'te'"
+                )
+            return user(q, k, v, causal=causal, softmax_scale=softmax_scale)
+
+        return call_user
+    return {"sdpa": sdpa_attention, "flash": flash_attention, "te": te_attention}[backend]

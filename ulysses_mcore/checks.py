@@ -1,0 +1,188 @@
+"""Input validation that gives the same error on every rank of a Ulysses group.
+
+A rank that raises before a collective its peers have entered leaves them hanging.  So
+every rank first describes its inputs as a short vector of integers (:func:`describe`),
+the group all-gathers those vectors (one tiny collective), and every rank runs the same
+pure function (:func:`find_problem`) over all of them.  Whatever is wrong on any rank is
+reported, with the same message, everywhere, before the data all-to-all is issued.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .backends import BUILTIN_BACKENDS, backend_error
+from .comm import LAYOUTS, head_plan_error
+
+_DTYPES = [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16,
+    torch.int64, torch.int32, torch.bool, torch.uint8, torch.int8,
+]
+_DEVICES = ["cpu", "cuda", "meta"]
+_NAME = 8  # characters of the layout / backend name carried in the vector
+COLLECTIVE_CALLS = {"all_gather": 0}
+
+
+def _code(x, table) -> int:
+    return table.index(x) if x in table else len(table)
+
+
+def _encode_name(name: str) -> List[int]:
+    raw = name.encode()[:_NAME]
+    return list(raw) + [0] * (_NAME - len(raw))
+
+
+def _decode_name(vals: Sequence[int]) -> str:
+    return bytes(v for v in vals if v).decode(errors="replace")
+
+
+def _shape4(t: Optional[torch.Tensor]) -> List[int]:
+    if t is None:
+        return [-2] * 4
+    if t.dim() != 4:
+        return [-1] * 4
+    return list(t.shape)
+
+
+def describe(query, key, value, *, layout, backend, causal, attention_mask=None, attention_bias=None):
+    """This rank's inputs as integers (see module docstring)."""
+    vec: List[int] = []
+    for t in (query, key, value):
+        vec += [t.dim()] + _shape4(t)
+        vec += [_code(t.dtype, _DTYPES), _code(t.device.type, _DEVICES)]
+    vec += _shape4(attention_mask) + _shape4(attention_bias)
+    vec.append(_code(layout, list(LAYOUTS)))
+    vec += _encode_name(layout if isinstance(layout, str) else repr(layout))
+    err = backend_error(backend)
+    if err is None:
+        kind = 0
+    elif isinstance(backend, str) and backend in BUILTIN_BACKENDS:
+        kind = 2  # known, not installed
+    else:
+        kind = 1  # unknown
+    vec.append(kind)
+    vec += _encode_name(backend if isinstance(backend, str) else "callable")
+    vec.append(int(bool(causal)))
+    return vec
+
+
+def gather(vec: List[int], group) -> List[List[int]]:
+    """All ranks' vectors (one all_gather of a few dozen int64)."""
+    size = dist.get_world_size(group)
+    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+    mine = torch.tensor(vec, dtype=torch.int64, device=device)
+    out = [torch.empty_like(mine) for _ in range(size)]
+    COLLECTIVE_CALLS["all_gather"] += 1
+    dist.all_gather(out, mine, group=group)
+    return [o.tolist() for o in out]
+
+
+def _unpack(vec):
+    it = iter(vec)
+    d = {}
+    for n in ("query", "key", "value"):
+        d[n] = {
+            "ndim": next(it),
+            "shape": [next(it) for _ in range(4)],
+            "dtype": next(it),
+            "device": next(it),
+        }
+    d["mask"] = [next(it) for _ in range(4)]
+    d["bias"] = [next(it) for _ in range(4)]
+    d["layout_code"] = next(it)
+    d["layout"] = _decode_name([next(it) for _ in range(_NAME)])
+    d["backend_kind"] = next(it)
+    d["backend"] = _decode_name([next(it) for _ in range(_NAME)])
+    d["causal"] = next(it)
+    return d
+
+
+def _dt(code):
+    return str(_DTYPES[code]).replace("torch.", "") if code < len(_DTYPES) else "other"
+
+
+def _dev(code):
+    return _DEVICES[code] if code < len(_DEVICES) else "other"
+
+
+def _rank_problem(d, rank: int, degree: int) -> Optional[str]:
+    where = f"on rank {rank} of the Ulysses group"
+    if d["layout_code"] >= len(LAYOUTS):
+        return f"layout={d['layout']!r} {where} is unknown: use 'sbhd' ([s, b, h, d], Megatron's) or 'bshd'"
+    if d["backend_kind"] == 1:
+        return (f"backend={d['backend']!r} {where} is unknown: use one of "
+                f"{list(BUILTIN_BACKENDS)} or a callable (q, k, v, *, causal, softmax_scale) -> out")
+    if d["backend_kind"] == 2:
+        return backend_error(d["backend"]) + f" ({where})"
+    layout = d["layout"]
+    q, k, v = d["query"], d["key"], d["value"]
+    for n in ("query", "key", "value"):
+        if d[n]["ndim"] != 4:
+            return f"{n} must be a 4-D [{','.join(layout)}] tensor; {where} it is {d[n]['ndim']}-D"
+    if len({q["dtype"], k["dtype"], v["dtype"]}) > 1:
+        return (f"query, key and value must share one dtype; {where} they are "
+                f"{_dt(q['dtype'])}, {_dt(k['dtype'])}, {_dt(v['dtype'])}: cast them to one dtype")
+    if len({q["device"], k["device"], v["device"]}) > 1:
+        return (f"query, key and value must be on one device; {where} they are on "
+                f"{_dev(q['device'])}, {_dev(k['device'])}, {_dev(v['device'])}: move them to one device")
+    sdim = 0 if layout == "sbhd" else 1
+    bdim = 1 - sdim
+    names = {sdim: "sequence", bdim: "batch", 3: "head"}
+    for dim in (sdim, bdim, 3):
+        vals = (q["shape"][dim], k["shape"][dim], v["shape"][dim])
+        if len(set(vals)) > 1:
+            return (f"query, key and value disagree in {names[dim]} {'dim' if dim == 3 else 'size'} "
+                    f"(dim {dim} of [{','.join(layout)}]) {where}: {vals[0]}, {vals[1]}, {vals[2]}")
+    if k["shape"][2] != v["shape"][2]:
+        return f"key and value must have the same number of heads; {where}: {k['shape'][2]} and {v['shape'][2]}"
+    if q["shape"][sdim] < 1:
+        return f"the sequence shard is empty {where} (length 0): every rank needs at least one token"
+    err = head_plan_error(q["shape"][2], k["shape"][2], degree)
+    if err:
+        return f"{err} ({where}; heads are dim 2 of [{','.join(layout)}])"
+    seq = q["shape"][sdim] * degree
+    for n in ("mask", "bias"):
+        shp = d[n]
+        if shp[0] == -2:
+            continue
+        arg = "attention_mask" if n == "mask" else "attention_bias"
+        want = [q["shape"][bdim], q["shape"][2], seq, seq]
+        if shp[0] == -1 or any(s not in (1, w) for s, w in zip(shp[:2], want[:2])) or shp[2:] != want[2:]:
+            return (f"{arg} must cover the full sequence, shape [b or 1, heads or 1, {seq}, {seq}] "
+                    f"(b={want[0]}, heads={want[1]}); {where} it is {shp if shp[0] != -1 else 'not 4-D'}")
+    return None
+
+
+def find_problem(vectors: Sequence[Sequence[int]]) -> Optional[str]:
+    """The first problem over every rank's inputs, or ``None``.  Pure: same answer everywhere."""
+    degree = len(vectors)
+    ds = [_unpack(v) for v in vectors]
+    for r, d in enumerate(ds):
+        err = _rank_problem(d, r, degree)
+        if err:
+            return err
+    if degree == 1:
+        return None
+    layout = ds[0]["layout"]
+    sdim = 0 if layout == "sbhd" else 1
+    checks = [
+        ("layout", lambda d: d["layout"]),
+        ("tokens per rank (the sequence must be split evenly: pad it to a multiple of "
+         f"the Ulysses degree {degree} with masked tokens)", lambda d: d["query"]["shape"][sdim]),
+        ("batch size", lambda d: d["query"]["shape"][1 - sdim]),
+        ("query heads", lambda d: d["query"]["shape"][2]),
+        ("kv heads", lambda d: d["key"]["shape"][2]),
+        ("head dim", lambda d: d["query"]["shape"][3]),
+        ("dtype", lambda d: _dt(d["query"]["dtype"])),
+        ("causal", lambda d: bool(d["causal"])),
+        ("attention_mask shape", lambda d: d["mask"]),
+        ("backend", lambda d: d["backend"]),
+    ]
+    for what, get in checks:
+        vals = [get(d) for d in ds]
+        if any(v != vals[0] for v in vals):
+            return f"ranks of the Ulysses group disagree in {what}: per rank {vals}"
+    return None

@@ -1,0 +1,274 @@
+"""Autograd all-to-alls between the token-sharded and the head-sharded layouts.
+
+A (token, head) cell has an owner.  Outside core attention rank ``r`` of a Ulysses
+group of size ``P`` owns tokens ``r*s/P ... (r+1)*s/P - 1`` with every head; inside
+it, every token with a band of heads.  Two collectives move ownership:
+
+``SeqToHead``   q, k, v ``[s/P, b, h, d]``  ->  ``[s, b, h/P, d]``   (ONE all_to_all_single)
+``HeadToSeq``   out      ``[s, b, h/P, d]``  ->  ``[s/P, b, h, d]``  (ONE all_to_all_single)
+
+Q, K and V cross in one packed buffer: chunk ``j`` of the send buffer holds, for the
+local tokens, the query heads of rank ``j`` followed by the KV heads those query heads
+use.  Everything is laid out so that the received buffer *is* the attention input:
+
+Layout copies (each "copy" touches every element once), forward / backward:
+
+=============  =================================  ===============================
+direction      sbhd                               bshd
+=============  =================================  ===============================
+SeqToHead      1 (pack) / 1 (unpack grad)         1 pack + 1 unpack if b > 1 / same
+HeadToSeq      0-1 pack (0 when the kernel output 1 pack + 1 unpack / same
+               is contiguous sbhd) + 1 unpack
+=============  =================================  ===============================
+
+In ``sbhd`` the received q/k/v buffer ``[P, s/P, b, n, d]`` is already ``[s, b, n, d]``
+(source rank == token block), so the attention kernel reads it with zero copies.
+
+GQA / MQA.  With ``hk`` KV heads and ``hq`` query heads, query heads of one KV group
+are contiguous (Megatron's QKV layout), so rank ``j``'s query heads
+``j*hq/P ... (j+1)*hq/P - 1`` need KV heads ``(j*hq/P) // g ... ((j+1)*hq/P - 1) // g``
+with ``g = hq / hk``.  If ``hk % P == 0`` that is a scatter of ``hk/P`` heads; if
+``P % hk == 0`` each rank needs exactly one KV head, shared by ``P/hk`` consecutive
+ranks: it is *replicated* into their chunks and the backward sums the replicas.
+
+The single-rank reference for both transforms is :func:`reference_seq_to_head` /
+:func:`reference_head_to_seq` below (pure tensor indexing, no collective).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+LAYOUTS = ("sbhd", "bshd")
+
+# Counts every all_to_all_single this module issues; tests read it to prove that
+# one forward is exactly two collectives (and one backward two more).
+COLLECTIVE_CALLS = {"all_to_all_single": 0}
+
+
+@dataclass(frozen=True)
+class HeadPlan:
+    """Which heads go where, for ``num_q_heads`` / ``num_kv_heads`` over ``degree`` ranks."""
+
+    num_q_heads: int
+    num_kv_heads: int
+    degree: int
+
+    @property
+    def q_per_rank(self) -> int:
+        return self.num_q_heads // self.degree
+
+    @property
+    def kv_per_rank(self) -> int:
+        return max(self.num_kv_heads // self.degree, 1)
+
+    @property
+    def kv_replicas(self) -> int:
+        """How many consecutive ranks receive the same KV head (1 = plain scatter)."""
+        return self.degree // self.num_kv_heads if self.num_kv_heads < self.degree else 1
+
+    @property
+    def heads_per_chunk(self) -> int:
+        return self.q_per_rank + 2 * self.kv_per_rank
+
+    def kv_heads_of_rank(self, rank: int) -> List[int]:
+        g = self.num_q_heads // self.num_kv_heads
+        first = (rank * self.q_per_rank) // g
+        last = ((rank + 1) * self.q_per_rank - 1) // g
+        return list(range(first, last + 1))
+
+
+def head_plan_error(num_q_heads: int, num_kv_heads: int, degree: int) -> Optional[str]:
+    """Why these head counts cannot be split over ``degree`` ranks, or ``None``."""
+    if num_q_heads < 1 or num_kv_heads < 1:
+        return f"head counts must be >= 1 (query heads={num_q_heads}, kv heads={num_kv_heads})"
+    if num_q_heads % num_kv_heads:
+        return (
+            f"query heads ({num_q_heads}) must be a multiple of kv heads ({num_kv_heads}) "
+            "for grouped-query attention"
+        )
+    if num_q_heads % degree:
+        return (
+            f"ulysses degree {degree} must divide the {num_q_heads} query heads on this "
+            f"tensor-parallel rank; choose a degree among "
+            f"{[p for p in range(1, num_q_heads + 1) if num_q_heads % p == 0]}"
+        )
+    if num_kv_heads % degree and degree % num_kv_heads:
+        return (
+            f"ulysses degree {degree} and the {num_kv_heads} kv heads on this tensor-parallel "
+            f"rank must divide one another (kv heads are scattered when degree divides them, "
+            f"replicated when they divide the degree)"
+        )
+    return None
+
+
+def _group_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _a2a(output: torch.Tensor, inp: torch.Tensor, group) -> None:
+    COLLECTIVE_CALLS["all_to_all_single"] += 1
+    dist.all_to_all_single(output, inp, group=group)
+
+
+def _pack_qkv(q, k, v, plan: HeadPlan) -> torch.Tensor:
+    """One pass: send buffer ``[P, A, B, n, d]``, chunk j = rank j's q heads, then k, v heads."""
+    P, qn, kn = plan.degree, plan.q_per_rank, plan.kv_per_rank
+    A, B, _, d = q.shape
+    send = q.new_empty(P, A, B, plan.heads_per_chunk, d)
+    send[..., :qn, :].copy_(q.unflatten(2, (P, qn)).permute(2, 0, 1, 3, 4))
+    for off, t in ((qn, k), (qn + kn, v)):
+        if plan.kv_replicas == 1:
+            send[..., off : off + kn, :].copy_(t.unflatten(2, (P, kn)).permute(2, 0, 1, 3, 4))
+        else:  # each kv head goes to kv_replicas consecutive ranks
+            hk, rep = plan.num_kv_heads, plan.kv_replicas
+            dst = send.view(hk, rep, A, B, plan.heads_per_chunk, d)[..., off : off + 1, :]
+            dst.copy_(t.permute(2, 0, 1, 3)[:, None, :, :, None, :].expand_as(dst))
+    return send
+
+
+def _unpack_qkv_grad(buf: torch.Tensor, plan: HeadPlan):
+    """Inverse of :func:`_pack_qkv` for gradients: replicas of a KV head are summed."""
+    P, qn, kn = plan.degree, plan.q_per_rank, plan.kv_per_rank
+    _, A, B, _, d = buf.shape
+    dq = buf[..., :qn, :].permute(1, 2, 0, 3, 4).reshape(A, B, P * qn, d)
+    out = [dq]
+    for off in (qn, qn + kn):
+        part = buf[..., off : off + kn, :]
+        if plan.kv_replicas == 1:
+            out.append(part.permute(1, 2, 0, 3, 4).reshape(A, B, P * kn, d))
+        else:
+            hk, rep = plan.num_kv_heads, plan.kv_replicas
+            summed = part.reshape(hk, rep, A, B, d).sum(1)  # [hk, A, B, d]
+            out.append(summed.permute(1, 2, 0, 3).contiguous())
+    return tuple(out)
+
+
+def _recv_as_layout(recv: torch.Tensor, layout: str) -> torch.Tensor:
+    """``[P, A, B, n, d]`` received by source rank -> the full-sequence tensor in ``layout``."""
+    P, A, B, n, d = recv.shape
+    if layout == "sbhd":
+        return recv.view(P * A, B, n, d)  # source-major == token order: a view
+    return recv.transpose(0, 1).reshape(A, P * B, n, d)  # a copy unless b == 1
+
+
+def _layout_as_chunks(x: torch.Tensor, layout: str, P: int) -> torch.Tensor:
+    """Full-sequence ``layout`` tensor -> ``[P, A, B, n, d]`` chunked by token block (contiguous)."""
+    if layout == "sbhd":
+        S, b, n, d = x.shape
+        return x.contiguous().view(P, S // P, b, n, d)
+    b, S, n, d = x.shape
+    return x.unflatten(1, (P, S // P)).transpose(0, 1).contiguous()
+
+
+class SeqToHead(torch.autograd.Function):
+    """q, k, v token shards -> full-sequence q, k, v of this rank's heads, in one collective."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, plan: HeadPlan, layout: str):
+        ctx.group, ctx.plan, ctx.layout = group, plan, layout
+        # 1. one copy: q, k, v -> one send buffer, chunk j holding rank j's heads
+        send = _pack_qkv(q, k, v, plan)
+        # 2. one collective
+        recv = torch.empty_like(send)
+        _a2a(recv, send, group)
+        # 3. the received buffer is the full sequence (sbhd: a view; bshd: one copy if b > 1)
+        full = _recv_as_layout(recv, layout)
+        qn, kn = plan.q_per_rank, plan.kv_per_rank
+        return full[:, :, :qn], full[:, :, qn : qn + kn], full[:, :, qn + kn :]
+
+    @staticmethod
+    def backward(ctx, gq, gk, gv):
+        plan, layout, P = ctx.plan, ctx.layout, ctx.plan.degree
+        qn, kn = plan.q_per_rank, plan.kv_per_rank
+        ref = next(g for g in (gq, gk, gv) if g is not None)
+        seq_dim = 0 if layout == "sbhd" else 1
+        S = ref.shape[seq_dim]
+        shape = list(ref.shape)
+        shape[seq_dim] = S // P
+        shape[2] = plan.heads_per_chunk
+        buf = ref.new_empty(P, *shape)
+        # 1. one copy: the three gradients into the buffer the forward received
+        for g, lo, hi in ((gq, 0, qn), (gk, qn, qn + kn), (gv, qn + kn, qn + 2 * kn)):
+            if g is None:
+                buf[..., lo:hi, :].zero_()
+                continue
+            chunks = g.unflatten(seq_dim, (P, S // P))
+            buf[..., lo:hi, :].copy_(chunks if seq_dim == 0 else chunks.transpose(0, 1))
+        # 2. one collective (the inverse permutation of the forward's)
+        recv = torch.empty_like(buf)
+        _a2a(recv, buf, ctx.group)
+        # 3. one copy back to [A, B, h, d]; replicated kv heads summed
+        dq, dk, dv = _unpack_qkv_grad(recv, plan)
+        return dq, dk, dv, None, None, None
+
+
+class HeadToSeq(torch.autograd.Function):
+    """Full-sequence output of this rank's heads -> token shard with every head, one collective."""
+
+    @staticmethod
+    def forward(ctx, out, group, degree: int, layout: str):
+        ctx.group, ctx.degree, ctx.layout = group, degree, layout
+        # 1. pack: zero copies when out is contiguous sbhd, else one
+        send = _layout_as_chunks(out, layout, degree)
+        recv = torch.empty_like(send)
+        # 2. one collective
+        _a2a(recv, send, group)
+        # 3. one copy: [P(src heads), A, B, n, d] -> [A, B, P*n, d]
+        P, A, B, n, d = recv.shape
+        return recv.permute(1, 2, 0, 3, 4).reshape(A, B, P * n, d)
+
+    @staticmethod
+    def backward(ctx, g):
+        P = ctx.degree
+        n = g.shape[2] // P
+        send = g.unflatten(2, (P, n)).permute(2, 0, 1, 3, 4).contiguous()
+        recv = torch.empty_like(send)
+        _a2a(recv, send, ctx.group)
+        return _recv_as_layout(recv, ctx.layout), None, None, None
+
+
+def seq_to_head(q, k, v, group, plan: HeadPlan, layout: str = "sbhd"):
+    """Differentiable: token-sharded q, k, v -> this rank's heads over the full sequence."""
+    if plan.degree == 1:
+        return q, k, v
+    return SeqToHead.apply(q, k, v, group, plan, layout)
+
+
+def head_to_seq(out, group, degree: int, layout: str = "sbhd"):
+    """Differentiable: this rank's heads over the full sequence -> token shard, all heads."""
+    if degree == 1:
+        return out
+    return HeadToSeq.apply(out, group, degree, layout)
+
+
+# ----------------------------------------------------------------------------------
+# Single-process references (no collective): what every rank should end up holding.
+# ----------------------------------------------------------------------------------
+def reference_seq_to_head(
+    full: torch.Tensor, rank: int, plan: HeadPlan, kind: str, layout: str = "sbhd"
+) -> torch.Tensor:
+    """Heads of ``rank`` from the full-sequence tensor: ``kind`` is 'q' or 'kv'."""
+    if kind == "q":
+        heads = list(range(rank * plan.q_per_rank, (rank + 1) * plan.q_per_rank))
+    else:
+        heads = plan.kv_heads_of_rank(rank)
+    return full[:, :, heads]
+
+
+def shard_tokens(full: torch.Tensor, rank: int, degree: int, layout: str = "sbhd") -> torch.Tensor:
+    """Contiguous token shard ``rank`` of ``degree`` of a full-sequence tensor."""
+    dim = 0 if layout == "sbhd" else 1
+    return full.chunk(degree, dim=dim)[rank]
+
+
+def reference_head_to_seq(
+    per_rank_heads: Sequence[torch.Tensor], rank: int, layout: str = "sbhd"
+) -> torch.Tensor:
+    """Token shard ``rank`` of the head-concatenation of every rank's output."""
+    full = torch.cat(list(per_rank_heads), dim=2)
+    return shard_tokens(full, rank, len(per_rank_heads), layout)
