@@ -1,0 +1,107 @@
+"""UlyssesAttention: Megatron-Core's core_attention contract, against float64 attention."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from ulysses_mcore import UlyssesAttention
+from tests.helpers import reference_attention, run_threaded, run_threaded_errors
+
+
+def config(heads=8, groups=2, hidden=64, dropout=0.0, **kw):
+    return TransformerConfig(
+        num_layers=1, hidden_size=hidden, num_attention_heads=heads, num_query_groups=groups,
+        attention_dropout=dropout, hidden_dropout=0.0, use_cpu_initialization=True, **kw,
+    )
+
+
+def run_module(P, mask_type, use_mask=False, use_bias=False, heads=8, groups=2, S=16, b=2):
+    cfg = config(heads, groups)
+    d = cfg.kv_channels
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(S, b, heads, d, generator=g)
+    k = torch.randn(S, b, groups, d, generator=g)
+    v = torch.randn(S, b, groups, d, generator=g)
+    dout = torch.randn(S, b, heads * d, generator=g)
+    mask = (torch.rand(b, 1, S, S, generator=g) < 0.3) if use_mask else None
+    bias = torch.randn(1, heads, S, S, generator=g) if use_bias else None
+
+    def rank_fn(rank, world):
+        mod = UlyssesAttention(cfg, layer_number=1, attn_mask_type=mask_type, attention_type="self",
+                               ulysses_group=dist.group.WORLD)
+        qs, ks, vs = (t.chunk(world)[rank].clone().requires_grad_() for t in (q, k, v))
+        out = mod(qs, ks, vs, mask, attn_mask_type=mask_type, attention_bias=bias)
+        assert out.shape == (S // world, b, heads * d)
+        out.backward(dout.chunk(world)[rank])
+        return out.detach(), qs.grad, ks.grad, vs.grad
+
+    got = [torch.cat(x) for x in zip(*run_threaded(P, rank_fn))]
+    causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
+    ref_mask = None if mask_type in (AttnMaskType.causal, AttnMaskType.no_mask) else mask
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+    ref = reference_attention(qr, kr, vr, causal=causal, attention_mask=ref_mask, attention_bias=bias)
+    ref = ref.reshape(S, b, -1)
+    ref.backward(dout.double())
+    for a, r in zip(got, (ref, qr.grad, kr.grad, vr.grad)):
+        err = (a.double() - r).abs().max() / r.abs().max()
+        assert err < 1e-5, err
+
+
+@pytest.mark.parametrize(
+    "mask_type,use_mask,use_bias",
+    [
+        (AttnMaskType.causal, True, False),  # a causal mask given is ignored, as in TE
+        (AttnMaskType.no_mask, False, False),
+        (AttnMaskType.padding, True, False),
+        (AttnMaskType.padding_causal, True, True),
+        (AttnMaskType.arbitrary, True, False),
+    ],
+)
+def test_module_matches_reference(mask_type, use_mask, use_bias):
+    run_module(4, mask_type, use_mask, use_bias)
+
+
+def test_two_models_keep_their_own_heads():
+    """Head counts are per instance (DeepSpeed #8291): two differently shaped modules in one process."""
+    run_module(2, AttnMaskType.causal, heads=8, groups=8)
+    run_module(2, AttnMaskType.causal, heads=4, groups=1)
+
+    def rank_fn(rank, world):
+        a = UlyssesAttention(config(8, 2), 1, AttnMaskType.causal, ulysses_group=dist.group.WORLD)
+        b = UlyssesAttention(config(4, 4, hidden=32), 1, AttnMaskType.causal, ulysses_group=dist.group.WORLD)
+        return (a.num_q_heads, a.num_kv_heads), (b.num_q_heads, b.num_kv_heads)
+
+    assert run_threaded(2, rank_fn)[0] == ((8, 2), (4, 4))
+
+
+def test_dropout_applies_in_training_only():
+    cfg = config(4, 4, hidden=32, dropout=1.0)  # p = 1 drops everything: output is exactly 0
+
+    def rank_fn(rank, world):
+        mod = UlyssesAttention(cfg, 1, AttnMaskType.causal, ulysses_group=dist.group.WORLD)
+        x = torch.randn(4, 1, 4, 8)
+        train = mod(x, x, x, None)
+        mod.eval()
+        evald = mod(x, x, x, None)
+        return train.abs().max().item(), evald.abs().max().item()
+
+    for train, evald in run_threaded(2, rank_fn):
+        assert train == 0.0 and evald > 0.0
+
+
+def test_construction_errors_name_the_flag():
+    def rank_fn(rank, world):
+        UlyssesAttention(config(6, 6, hidden=48), 1, AttnMaskType.causal, ulysses_group=dist.group.WORLD)
+
+    errs = run_threaded_errors(4, rank_fn)
+    assert all(isinstance(e, ValueError) and "--ulysses-degree 4" in str(e) and "--num-attention-heads 6" in str(e) for e in errs), errs
+
+    def packed(rank, world):
+        mod = UlyssesAttention(config(4, 4, hidden=32), 1, AttnMaskType.causal, ulysses_group=dist.group.WORLD)
+        x = torch.randn(4, 1, 4, 8)
+        mod(x, x, x, None, packed_seq_params=object())
+
+    errs = run_threaded_errors(2, packed)
+    assert all(isinstance(e, ValueError) and "packed" in str(e) for e in errs)
