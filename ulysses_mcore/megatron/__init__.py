@@ -1,0 +1,1 @@
+"""Megatron-Core glue: process groups, layer specs, batch sharding, loss."""

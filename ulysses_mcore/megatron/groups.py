@@ -1,0 +1,214 @@
+"""Real process groups: a :class:`~ulysses_mcore.topology.Topology` made into
+torch.distributed groups, with Megatron-Core's ``parallel_state`` initialised to match.
+
+Ulysses x ring cp is handed to Megatron as its context-parallel axis
+(``context_parallel_size = ulysses * cp``, ``hierarchical_context_parallel_sizes =
+[ulysses, cp]`` when both are > 1).  Megatron therefore sees the right world everywhere it
+already handles CP: gradients of weights (replicated across Ulysses ranks) are reduced
+over ``dp x ulysses x cp`` by its DDP, the distributed optimizer shards over the same
+group, loss and token counts reduce over it, and ``tp-dp-cp`` etc. exist.  The Ulysses
+group is Megatron's first hierarchical-CP level (or the whole CP group when ``cp == 1``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import state
+from ..topology import Topology
+
+_TOPOLOGY: Optional[Topology] = None
+_RING_GROUP = None
+_PG_COLLECTION = None
+
+
+def initialize(
+    tp: int = 1,
+    ulysses: int = 1,
+    cp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    *,
+    order: str = "tp-ulysses-cp-ep-dp-pp",
+    virtual_pipeline_model_parallel_size: Optional[int] = None,
+    distributed_timeout_minutes: int = 30,
+    num_attention_heads: Optional[int] = None,
+    num_query_groups: Optional[int] = None,
+    seq_length: Optional[int] = None,
+    verbose: bool = True,
+) -> Topology:
+    """Build every group for this topology and initialise Megatron-Core's parallel_state.
+
+    Needs ``torch.distributed`` initialised (gloo on CPU, NCCL on GPU).  Model-aware
+    checks run first when heads / sequence length are given, on every rank before any
+    collective, so a bad configuration raises the same error everywhere.
+    """
+    from megatron.core import parallel_state as ps
+
+    if not dist.is_initialized():
+        raise RuntimeError("ulysses_mcore.initialize needs torch.distributed.init_process_group() first")
+    topo = Topology(dist.get_world_size(), tp=tp, ulysses=ulysses, cp=cp, pp=pp, ep=ep, order=order)
+    if num_attention_heads is not None:
+        topo.check_model(num_attention_heads, num_query_groups, seq_length)
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    hier = [ulysses, cp] if (ulysses > 1 and cp > 1) else None
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+        context_parallel_size=topo.context_parallel_size,
+        hierarchical_context_parallel_sizes=hier,
+        expert_model_parallel_size=ep,
+        order=topo.megatron_order(),
+        distributed_timeout_minutes=distributed_timeout_minutes,
+        create_gloo_process_groups=dist.get_backend() != "gloo",
+    )
+    if ulysses == 1:
+        ulysses_group, ring = None, (ps.get_context_parallel_group() if cp > 1 else None)
+    elif cp == 1:
+        ulysses_group, ring = ps.get_context_parallel_group(), None
+    else:
+        ulysses_group, ring = ps.get_hierarchical_context_parallel_groups()
+
+    rank = dist.get_rank()
+    _verify(topo, rank, ulysses_group, ring)
+
+    global _TOPOLOGY, _RING_GROUP, _PG_COLLECTION
+    _TOPOLOGY, _RING_GROUP, _PG_COLLECTION = topo, ring, None
+    state.set_ulysses_group(ulysses_group)
+    if verbose and rank == 0:
+        print(f"[ulysses-mcore] parallel axes in force: {topo.describe()}; "
+              f"Megatron context-parallel size {topo.context_parallel_size} "
+              f"(ulysses {ulysses} inner x ring {cp})", flush=True)
+    return topo
+
+
+def _verify(topo: Topology, rank: int, ulysses_group, ring) -> None:
+    """Megatron's groups for this rank must be the ones the pure math predicts."""
+    from megatron.core import parallel_state as ps
+
+    checks = {
+        "tp": ps.get_tensor_model_parallel_group(),
+        "pp": ps.get_pipeline_model_parallel_group(),
+        "dp": ps.get_data_parallel_group(),
+        "ulysses-cp": ps.get_context_parallel_group(),
+        "dp-ulysses-cp": ps.get_data_parallel_group(with_context_parallel=True),
+    }
+    if ulysses_group is not None:
+        checks["ulysses"] = ulysses_group
+    if ring is not None:
+        checks["cp"] = ring
+    for axes, grp in checks.items():
+        got = dist.get_process_group_ranks(grp)
+        want = topo.group_of(axes, rank)
+        if sorted(got) != sorted(want):
+            raise RuntimeError(
+                f"rank {rank}: Megatron's {axes} group {got} differs from the topology's {want} "
+                f"({topo.describe()})"
+            )
+
+
+def get_topology() -> Topology:
+    if _TOPOLOGY is None:
+        raise RuntimeError("call ulysses_mcore.initialize(...) first")
+    return _TOPOLOGY
+
+
+def get_ulysses_group():
+    """The Ulysses all-to-all group of this rank (``None`` when the degree is 1)."""
+    return state.get_ulysses_group()
+
+
+def get_ring_group():
+    """The ring context-parallel group of this rank (``None`` when cp == 1)."""
+    return _RING_GROUP
+
+
+def get_tensor_parallel_group():
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_group()
+
+
+def get_pipeline_parallel_group():
+    from megatron.core import parallel_state as ps
+
+    return ps.get_pipeline_model_parallel_group()
+
+
+def get_data_parallel_group():
+    """Pure data parallel: ranks holding different samples, same tokens positions."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_group()
+
+
+def get_gradient_reduction_group():
+    """dp x ulysses x cp: weights are replicated over it, so gradients are reduced over it."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_group(with_context_parallel=True)
+
+
+def get_sample_group():
+    """ulysses x cp: the ranks that read the same sample (each a shard of its tokens)."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_context_parallel_group()
+
+
+def get_embedding_group():
+    from megatron.core import parallel_state as ps
+
+    return ps.get_embedding_group()
+
+
+def get_pg_collection():
+    """A Megatron ``ProcessGroupCollection`` of the current groups, with ``ulysses`` and
+    ``ring_cp`` attributes added for modules that take one."""
+    global _PG_COLLECTION
+    if _PG_COLLECTION is None:
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        pgc = ProcessGroupCollection.use_mpu_process_groups()
+        pgc.ulysses = get_ulysses_group()
+        pgc.ring_cp = get_ring_group()
+        _PG_COLLECTION = pgc
+    return _PG_COLLECTION
+
+
+def destroy() -> None:
+    """Tear down Megatron's parallel_state and forget the Ulysses groups."""
+    from megatron.core import parallel_state as ps
+
+    global _TOPOLOGY, _RING_GROUP, _PG_COLLECTION
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    state.set_ulysses_group(None)
+    _TOPOLOGY, _RING_GROUP, _PG_COLLECTION = None, None, None
+
+
+def ulysses_rank() -> int:
+    g = get_ulysses_group()
+    return 0 if g is None else dist.get_rank(g)
+
+
+def describe_local() -> str:
+    """This rank's groups, for debugging."""
+    topo = get_topology()
+    r = dist.get_rank()
+    return "; ".join(f"{a}: {topo.group_of(a, r)}" for a in ("tp", "ulysses", "cp", "dp", "pp"))
+
+
+__all__ = [
+    "initialize", "destroy", "get_topology", "get_ulysses_group", "get_ring_group",
+    "get_tensor_parallel_group", "get_pipeline_parallel_group", "get_data_parallel_group",
+    "get_gradient_reduction_group", "get_sample_group", "get_embedding_group",
+    "get_pg_collection", "ulysses_rank", "describe_local",
+]
+del torch
