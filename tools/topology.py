@@ -1,0 +1,118 @@
+#!/usr/bin/env python3
+"""Plan a Ulysses x TP x PP x DP x CP layout before launching a job.
+
+    python tools/topology.py --world-size 64 --gpus-per-node 8 --tp 2 --ulysses 4 --pp 2 \
+        [--num-attention-heads 32 --num-query-groups 8 --seq-length 131072] [--rank 5] [--json]
+
+Prints the rank grid per node, every group of one rank, the per-rank head and token
+split, and warns when a TP or Ulysses group crosses a node boundary.  Pure math: no GPU,
+no torch.distributed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from ulysses_mcore.comm import HeadPlan  # noqa: E402
+from ulysses_mcore.topology import Topology, TopologyError  # noqa: E402
+
+AXIS_SETS = ["tp", "ulysses", "cp", "ulysses-cp", "dp", "pp", "dp-ulysses-cp", "ep", "edp"]
+
+
+def crossing_groups(topo: Topology, axes: str, gpus_per_node: int):
+    return [g for g in topo.groups(axes) if len({r // gpus_per_node for r in g}) > 1]
+
+
+def plan(args) -> dict:
+    topo = Topology(args.world_size, tp=args.tp, ulysses=args.ulysses, cp=args.cp, pp=args.pp,
+                    ep=args.ep, order=args.order)
+    out = {"topology": topo.describe(), "dp": topo.dp, "order": topo.order}
+    if args.num_attention_heads:
+        topo.check_model(args.num_attention_heads, args.num_query_groups, args.seq_length)
+        q = args.num_attention_heads // topo.tp
+        kv = (args.num_query_groups or args.num_attention_heads) // topo.tp
+        hp = HeadPlan(q, kv, topo.ulysses)
+        out["heads"] = {
+            "query_heads_per_tp_rank": q, "kv_heads_per_tp_rank": kv,
+            "query_heads_in_attention": hp.q_per_rank, "kv_heads_in_attention": hp.kv_per_rank,
+            "kv_replicas": hp.kv_replicas,
+        }
+    if args.seq_length:
+        out["tokens"] = {
+            "sequence": args.seq_length,
+            "per_rank_outside_attention": args.seq_length // topo.context_parallel_size,
+            "per_rank_inside_attention": args.seq_length // topo.cp,
+        }
+    out["rank"] = args.rank
+    out["groups_of_rank"] = {a: topo.group_of(a, args.rank) for a in AXIS_SETS
+                             if (a not in ("ep", "edp") or topo.ep > 1)}
+    out["coords_of_rank"] = topo.coords(args.rank)
+    nodes = []
+    for n in range(0, topo.world_size, args.gpus_per_node):
+        ranks = range(n, min(n + args.gpus_per_node, topo.world_size))
+        nodes.append([{"rank": r, **{k: v for k, v in topo.coords(r).items() if k in ("tp", "ulysses", "cp", "dp", "pp")}}
+                      for r in ranks])
+    out["nodes"] = nodes
+    warnings = []
+    for axes in ("tp", "ulysses"):
+        bad = crossing_groups(topo, axes, args.gpus_per_node)
+        if bad:
+            warnings.append(f"{len(bad)} {axes} group(s) cross a node boundary (first: {bad[0]}); "
+                            f"keep tp x ulysses <= --gpus-per-node {args.gpus_per_node}")
+    out["warnings"] = warnings
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=int, default=1)
+    p.add_argument("--ulysses", "--ulysses-degree", dest="ulysses", type=int, default=1)
+    p.add_argument("--cp", "--context-parallel-size", dest="cp", type=int, default=1)
+    p.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=int, default=1)
+    p.add_argument("--ep", "--expert-model-parallel-size", dest="ep", type=int, default=1)
+    p.add_argument("--order", default="tp-ulysses-cp-ep-dp-pp")
+    p.add_argument("--num-attention-heads", type=int)
+    p.add_argument("--num-query-groups", type=int)
+    p.add_argument("--seq-length", type=int)
+    p.add_argument("--rank", type=int, default=0, help="whose groups to print")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    try:
+        out = plan(args)
+    except TopologyError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    print(out["topology"])
+    if "heads" in out:
+        h = out["heads"]
+        print(f"heads per tp rank: {h['query_heads_per_tp_rank']} q / {h['kv_heads_per_tp_rank']} kv; "
+              f"inside attention each rank computes {h['query_heads_in_attention']} q / "
+              f"{h['kv_heads_in_attention']} kv heads (kv replicated x{h['kv_replicas']})")
+    if "tokens" in out:
+        t = out["tokens"]
+        print(f"tokens: {t['sequence']} per sequence; {t['per_rank_outside_attention']} per rank outside "
+              f"attention, {t['per_rank_inside_attention']} inside (all of them unless ring cp > 1)")
+    print(f"\ngroups of rank {out['rank']} (coords {out['coords_of_rank']}):")
+    for a, g in out["groups_of_rank"].items():
+        print(f"  {a:>14}: {g}")
+    print("\nrank grid (rank:tp/ulysses/cp/dp/pp):")
+    for i, node in enumerate(out["nodes"]):
+        cells = " ".join(f"{c['rank']}:{c['tp']}/{c['ulysses']}/{c['cp']}/{c['dp']}/{c['pp']}" for c in node)
+        print(f"  node {i}: {cells}")
+    for w in out["warnings"]:
+        print(f"WARNING: {w}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
