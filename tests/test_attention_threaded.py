@@ -143,3 +143,30 @@ def test_group_of_one_is_direct():
     assert comm.COLLECTIVE_CALLS["all_to_all_single"] == before
     ref = reference_attention(q, k, v, causal=True)
     assert rel_err(out, ref) < FP32_RTOL
+
+
+@pytest.mark.parametrize("P,hq,hk,layout", [(2, 4, 2, "sbhd"), (4, 8, 2, "sbhd"), (4, 8, 8, "bshd")])
+def test_load_balanced_token_order(P, hq, hk, layout):
+    """Megatron's dual-chunk shard: rank r holds chunks r and 2P-1-r; results equal full attention."""
+    S, b, d = 16 * P, 2, 8
+    q, k, v, dout, m, _ = make_inputs(3, S, b, hq, hk, d, layout, mask=True)
+    sd = 0 if layout == "sbhd" else 1
+
+    def lb_shard(t, r, world):
+        ch = t.chunk(2 * world, dim=sd)
+        return torch.cat([ch[r], ch[2 * world - 1 - r]], dim=sd)
+
+    def rank_fn(rank, world):
+        qs, ks, vs = (lb_shard(t, rank, world).clone().requires_grad_() for t in (q, k, v))
+        out = ulysses_mcore.ulysses_attention(qs, ks, vs, group=dist.group.WORLD, causal=True, layout=layout,
+                                              attention_mask=m, token_order="load_balanced")
+        out.backward(lb_shard(dout, rank, world))
+        return out.detach(), qs.grad, ks.grad, vs.grad
+
+    res = run_threaded(P, rank_fn)
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+    ref = reference_attention(qr, kr, vr, causal=True, layout=layout, attention_mask=m)
+    ref.backward(dout.double())
+    for i, want in enumerate((ref.detach(), qr.grad, kr.grad, vr.grad)):
+        for r in range(P):
+            assert rel_err(res[r][i], lb_shard(want, r, P)) < FP32_RTOL

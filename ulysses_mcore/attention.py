@@ -9,7 +9,7 @@ signature, to be put into a layer spec in place of ``DotProductAttention`` /
 from __future__ import annotations
 
 import math
-from typing import Optional, Union
+from typing import List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,19 @@ def _local_heads(t: Optional[torch.Tensor], rank: int, per_rank: int, total: int
     return t[:, rank * per_rank : (rank + 1) * per_rank]
 
 
+def load_balanced_permutation(degree: int) -> List[int]:
+    """Megatron's dual-chunk order: the sequence is cut into ``2P`` chunks and rank ``r``
+    holds chunks ``r`` and ``2P-1-r``.  Entry ``p`` is the natural chunk at position ``p``
+    of the rank-ordered (received) sequence: ``[0, 2P-1, 1, 2P-2, ...]``."""
+    return [p // 2 if p % 2 == 0 else 2 * degree - 1 - p // 2 for p in range(2 * degree)]
+
+
+def _reorder_chunks(t: torch.Tensor, index: List[int], seq_dim: int) -> torch.Tensor:
+    n = len(index)
+    idx = torch.tensor(index, device=t.device)
+    return t.unflatten(seq_dim, (n, t.shape[seq_dim] // n)).index_select(seq_dim, idx).flatten(seq_dim, seq_dim + 1)
+
+
 def ulysses_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -40,6 +53,7 @@ def ulysses_attention(
     attention_bias: Optional[torch.Tensor] = None,
     dropout_p: float = 0.0,
     check: bool = True,
+    token_order: str = "contiguous",
 ) -> torch.Tensor:
     """Exact attention over a sequence whose tokens are sharded contiguously over ``group``.
 
@@ -55,6 +69,10 @@ def ulysses_attention(
     their inputs, so a bad input raises the same ``ValueError`` on every rank instead of
     hanging a collective.  ``check=False`` skips that (validation is then local only).
 
+    ``token_order="load_balanced"`` takes Megatron's context-parallel (dual-chunk) shard
+    instead: rank ``r`` holds chunks ``r`` and ``2P-1-r`` of ``2P`` equal chunks; masks
+    still cover the full sequence in natural order.
+
     Collectives: forward 2 all_to_all_single (+1 tiny all_gather when ``check``),
     backward 2 all_to_all_single.  ``group=None`` or a group of size 1 runs the kernel
     directly with no collective.
@@ -62,7 +80,7 @@ def ulysses_attention(
     degree = 1 if group is None else dist.get_world_size(group)
     vec = checks.describe(
         query, key, value, layout=layout, backend=backend, causal=causal,
-        attention_mask=attention_mask, attention_bias=attention_bias,
+        attention_mask=attention_mask, attention_bias=attention_bias, token_order=token_order,
     )
     vectors = checks.gather(vec, group) if (check and degree > 1) else [vec] * degree
     problem = checks.find_problem(vectors)
@@ -85,7 +103,14 @@ def ulysses_attention(
     for name in ("attention_mask", "attention_bias"):
         if name in kw:
             kw[name] = _local_heads(kw[name], rank, plan.q_per_rank, plan.num_q_heads)
+    seq_dim = 0 if layout == "sbhd" else 1
+    if token_order == "load_balanced":
+        perm = load_balanced_permutation(degree)
+        inv = sorted(range(len(perm)), key=perm.__getitem__)
+        q, k, v = (_reorder_chunks(t, inv, seq_dim) for t in (q, k, v))  # received -> natural
     out = kernel(q, k, v, **kw)
+    if token_order == "load_balanced":
+        out = _reorder_chunks(out, perm, seq_dim)  # natural -> chunks by destination rank
     return head_to_seq(out, group, degree, layout)
 
 
@@ -123,6 +148,7 @@ class UlyssesAttention(MegatronModule):
         ulysses_group=None,
         backend: Union[str, Kernel] = "sdpa",
         check: bool = True,
+        token_order: Optional[str] = None,
     ):
         super().__init__(config=config)
         self.layer_number = max(1, layer_number)
@@ -131,6 +157,10 @@ class UlyssesAttention(MegatronModule):
         self.backend = backend
         self.check = check
         self.current_max_attn_logits = None
+        # Megatron shards a sequence over its context-parallel axis (which is Ulysses x ring
+        # here) in dual-chunk order, and slices RoPE to match: follow it by default.
+        cp_size = getattr(config, "context_parallel_size", 1)
+        self.token_order = token_order or ("load_balanced" if cp_size > 1 else "contiguous")
 
         tp_group = getattr(pg_collection, "tp", None) if pg_collection is not None else None
         if tp_group is None:
@@ -141,6 +171,12 @@ class UlyssesAttention(MegatronModule):
             tp = dist.get_world_size(tp_group)
         self.group = ulysses_group if ulysses_group is not None else state.get_ulysses_group()
         self.degree = 1 if self.group is None else dist.get_world_size(self.group)
+        if cp_size > 1 and cp_size != self.degree:
+            raise ValueError(
+                f"config.context_parallel_size={cp_size} but the Ulysses group has {self.degree} ranks: "
+                "hybrid Ulysses x ring context parallelism is not supported yet; use "
+                "--context-parallel-size 1 with --ulysses-degree, or call ulysses_mcore.initialize()"
+            )
 
         heads, groups = config.num_attention_heads, config.num_query_groups or config.num_attention_heads
         if heads % tp or groups % tp:
@@ -195,5 +231,6 @@ class UlyssesAttention(MegatronModule):
             group=self.group, causal=causal, layout="sbhd", backend=self.backend,
             softmax_scale=self.softmax_scale, attention_mask=mask, attention_bias=attention_bias,
             dropout_p=self.dropout_p if self.training else 0.0, check=self.check,
+            token_order=self.token_order,
         )
         return out.reshape(out.shape[0], out.shape[1], -1)

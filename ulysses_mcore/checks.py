@@ -47,7 +47,11 @@ def _shape4(t: Optional[torch.Tensor]) -> List[int]:
     return list(t.shape)
 
 
-def describe(query, key, value, *, layout, backend, causal, attention_mask=None, attention_bias=None):
+TOKEN_ORDERS = ("contiguous", "load_balanced")
+
+
+def describe(query, key, value, *, layout, backend, causal, attention_mask=None, attention_bias=None,
+             token_order="contiguous"):
     """This rank's inputs as integers (see module docstring)."""
     vec: List[int] = []
     for t in (query, key, value):
@@ -66,6 +70,7 @@ def describe(query, key, value, *, layout, backend, causal, attention_mask=None,
     vec.append(kind)
     vec += _encode_name(backend if isinstance(backend, str) else "callable")
     vec.append(int(bool(causal)))
+    vec.append(_code(token_order, list(TOKEN_ORDERS)))
     return vec
 
 
@@ -97,6 +102,7 @@ def _unpack(vec):
     d["backend_kind"] = next(it)
     d["backend"] = _decode_name([next(it) for _ in range(_NAME)])
     d["causal"] = next(it)
+    d["token_order"] = next(it)
     return d
 
 
@@ -140,6 +146,11 @@ def _rank_problem(d, rank: int, degree: int) -> Optional[str]:
         return f"key and value must have the same number of heads; {where}: {k['shape'][2]} and {v['shape'][2]}"
     if q["shape"][sdim] < 1:
         return f"the sequence shard is empty {where} (length 0): every rank needs at least one token"
+    if d["token_order"] >= len(TOKEN_ORDERS):
+        return f"token_order {where} is unknown: use one of {list(TOKEN_ORDERS)}"
+    if d["token_order"] == 1 and q["shape"][sdim] % 2:
+        return (f"token_order='load_balanced' holds 2 chunks per rank, so the tokens per rank must be "
+                f"even; {where} there are {q['shape'][sdim]}: make the sequence a multiple of {2 * degree}")
     err = head_plan_error(q["shape"][2], k["shape"][2], degree)
     if err:
         return f"{err} ({where}; heads are dim 2 of [{','.join(layout)}])"
@@ -178,6 +189,7 @@ def find_problem(vectors: Sequence[Sequence[int]]) -> Optional[str]:
         ("head dim", lambda d: d["query"]["shape"][3]),
         ("dtype", lambda d: _dt(d["query"]["dtype"])),
         ("causal", lambda d: bool(d["causal"])),
+        ("token_order", lambda d: TOKEN_ORDERS[d["token_order"]]),
         ("attention_mask shape", lambda d: d["mask"]),
         ("backend", lambda d: d["backend"]),
     ]
