@@ -5,7 +5,8 @@ math.  :func:`apply` (idempotent; a no-op when CUDA is available unless ``force`
 
 1. ``torch.cuda.current_device()`` answers ``"cpu"``; ``torch.cuda.synchronize`` and
    ``torch.cuda.empty_cache`` are no-ops.
-2. A ``TorchFunctionMode`` that maps ``device="cuda"`` and ``Tensor.cuda()`` to the CPU,
+2. A ``TorchFunctionMode`` that maps ``device="cuda"``, ``Tensor.cuda()`` and pinned memory
+   to the CPU,
    and answers ``Tensor.type()`` with the CUDA type names Megatron's optimizer asserts.
 3. The CUDA RNG state Megatron's RNG tracker forks (dropout, init) is torch's CPU
    generator: ``torch.cuda.get_rng_state/set_rng_state/manual_seed`` and Megatron's
@@ -48,8 +49,10 @@ class _CpuForCuda(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
-        if func is torch.Tensor.cuda:
+        if func in (torch.Tensor.cuda, torch.Tensor.pin_memory):
             return args[0]
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             t = args[0]
             return _CUDA_TYPE_NAMES.get(t.dtype, func(*args))
@@ -86,8 +89,8 @@ def apply(force: bool = False) -> bool:
     cuda.empty_cache = lambda: None
     cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
     cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
-    cuda.manual_seed = lambda seed: torch.manual_seed(seed) and None
-    cuda.manual_seed_all = lambda seed: torch.manual_seed(seed) and None
+    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed)) and None
+    cuda.manual_seed_all = lambda seed: torch.default_generator.manual_seed(int(seed)) and None
     cuda.memory_allocated = lambda *a, **k: 0
     cuda.max_memory_allocated = lambda *a, **k: 0
     cuda.reset_peak_memory_stats = lambda *a, **k: None

@@ -66,7 +66,7 @@ def initialize(
         expert_model_parallel_size=ep,
         order=topo.megatron_order(),
         distributed_timeout_minutes=distributed_timeout_minutes,
-        create_gloo_process_groups=dist.get_backend() != "gloo",
+        create_gloo_process_groups=True,  # the optimizer asks for them, even on gloo
     )
     if ulysses == 1:
         ulysses_group, ring = None, (ps.get_context_parallel_group() if cp > 1 else None)

@@ -1,0 +1,109 @@
+"""Batch sharding: a Megatron batch for the full sequence -> this rank's token shard.
+
+Labels are shifted *before* sharding (``tokens = text[:-1]``, ``labels = text[1:]``, as
+Megatron's GPTDataset does), so the last token of shard ``k`` keeps its label, the first
+token of shard ``k+1``.  Positions stay global (``position_ids`` are sharded with the
+tokens; Megatron slices RoPE the same way), so every shard sees its true positions.
+
+Token order: Megatron's context-parallel (load-balanced, dual-chunk) order by default --
+rank ``r`` of ``P`` holds chunks ``r`` and ``2P-1-r`` of ``2P`` -- which is what
+Megatron-Core's RoPE slicing expects whenever ``context_parallel_size > 1``; or contiguous.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+
+SEQ_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+
+
+def make_lm_batch(text: torch.Tensor, *, pad_token_id: Optional[int] = None) -> Dict[str, torch.Tensor]:
+    """``text [b, s+1]`` -> tokens, labels (shifted), loss_mask, position_ids ``[b, s]``.
+
+    Positions whose *label* is ``pad_token_id`` get ``loss_mask = 0``."""
+    tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()
+    loss_mask = torch.ones_like(tokens, dtype=torch.float)
+    if pad_token_id is not None:
+        loss_mask[labels == pad_token_id] = 0.0
+    pos = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens).contiguous()
+    return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": pos}
+
+
+def pad_batch(batch: Dict[str, torch.Tensor], multiple: int, *, pad_token_id: int = 0) -> Dict[str, torch.Tensor]:
+    """Pad the sequence dim up to a multiple of ``multiple``; padding never changes the result:
+    padded tokens come last (causal attention never lets a real token see them), their
+    loss_mask is 0, and as keys they are masked in a given ``attention_mask``."""
+    S = batch["tokens"].shape[1]
+    extra = (-S) % multiple
+    if extra == 0:
+        return dict(batch)
+    out = dict(batch)
+    b = batch["tokens"].shape[0]
+    for key in ("tokens", "labels"):
+        if key in batch:
+            out[key] = torch.cat([batch[key], batch[key].new_full((b, extra), pad_token_id)], dim=1)
+    if "loss_mask" in batch:
+        out["loss_mask"] = torch.cat([batch["loss_mask"], batch["loss_mask"].new_zeros(b, extra)], dim=1)
+    if "position_ids" in batch:
+        last = batch["position_ids"][:, -1:]
+        step = torch.arange(1, extra + 1, device=last.device).unsqueeze(0)
+        out["position_ids"] = torch.cat([batch["position_ids"], last + step], dim=1)
+    m = batch.get("attention_mask")
+    if m is not None:
+        m = torch.nn.functional.pad(m, (0, extra, 0, extra), value=True)  # True = masked
+        out["attention_mask"] = m
+    return out
+
+
+def shard_sequence(t: torch.Tensor, rank: int, degree: int, *, dim: int = 1, load_balanced: bool = True) -> torch.Tensor:
+    """This rank's share of ``t`` along ``dim`` (contiguous block, or chunks r and 2P-1-r)."""
+    if degree == 1:
+        return t
+    S = t.shape[dim]
+    parts = 2 * degree if load_balanced else degree
+    if S % parts:
+        raise ValueError(
+            f"sequence length {S} is not divisible by {parts} "
+            f"({'2 x ' if load_balanced else ''}the sequence-sharding degree {degree}): "
+            f"pass pad_to_multiple_of={parts} (padding is masked) or change --seq-length"
+        )
+    chunks = t.chunk(parts, dim=dim)
+    if not load_balanced:
+        return chunks[rank].contiguous()
+    return torch.cat([chunks[rank], chunks[2 * degree - 1 - rank]], dim=dim)
+
+
+def shard_batch(
+    batch: Dict[str, torch.Tensor],
+    *,
+    rank: Optional[int] = None,
+    degree: Optional[int] = None,
+    load_balanced: Optional[bool] = None,
+    pad_to_multiple_of: Optional[int] = None,
+    pad_token_id: int = 0,
+) -> Dict[str, torch.Tensor]:
+    """This rank's shard of a full-sequence Megatron batch.
+
+    ``batch``: ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` ``[b, s]`` and
+    optionally ``attention_mask [b|1, 1, s, s]`` (bool, True = masked), which stays whole:
+    Ulysses attention sees the full sequence.  ``rank``/``degree`` default to this rank's
+    place in the sample group (Ulysses x ring cp, Megatron's CP group);
+    ``load_balanced`` defaults to ``degree > 1``'s Megatron convention (True)."""
+    if rank is None or degree is None:
+        from megatron.core import parallel_state as ps
+
+        rank = ps.get_context_parallel_rank() if rank is None else rank
+        degree = ps.get_context_parallel_world_size() if degree is None else degree
+    if load_balanced is None:
+        load_balanced = True
+    if pad_to_multiple_of:
+        batch = pad_batch(batch, pad_to_multiple_of, pad_token_id=pad_token_id)
+    out = {}
+    for key, val in batch.items():
+        if key in SEQ_KEYS and val is not None:
+            out[key] = shard_sequence(val, rank, degree, dim=1, load_balanced=load_balanced)
+        else:
+            out[key] = val
+    return out

@@ -1,0 +1,170 @@
+"""Megatron-Core's own training parts, wired for Ulysses: GPTModel + DDP + optimizer + schedule.
+
+Nothing here re-implements Megatron: the model is ``GPTModel`` built from a Ulysses layer
+spec, wrapped in Megatron's ``DistributedDataParallel``; the optimizer comes from
+``get_megatron_optimizer``; a step is ``get_forward_backward_func()`` (pipeline schedules
+with micro-batches) followed by ``optimizer.step()``.  Loss is token-weighted
+(:mod:`ulysses_mcore.megatron.loss`).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Dict, List
+
+import torch
+
+from .loss import check_config, global_mean, masked_token_loss
+from .specs import get_ulysses_layer_spec
+
+
+def gpt_config(**kw):
+    """A ``TransformerConfig`` with the settings sequence-sharded training needs.
+
+    ``context_parallel_size`` is Megatron's CP size = ulysses x ring cp (from the
+    initialised topology unless given); token-weighted loss is on."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kw.setdefault("tensor_model_parallel_size", ps.get_tensor_model_parallel_world_size())
+    kw.setdefault("pipeline_model_parallel_size", ps.get_pipeline_model_parallel_world_size())
+    kw.setdefault("context_parallel_size", ps.get_context_parallel_world_size())
+    kw.setdefault("calculate_per_token_loss", True)
+    kw.setdefault("use_cpu_initialization", not torch.cuda.is_available())
+    kw.setdefault("hidden_dropout", 0.0)
+    kw.setdefault("attention_dropout", 0.0)
+    if kw["pipeline_model_parallel_size"] > 1:
+        kw.setdefault("pipeline_dtype", kw.get("params_dtype", torch.float32))
+    cfg = TransformerConfig(**kw)
+    check_config(cfg)
+    return cfg
+
+
+def build_gpt(
+    config,
+    *,
+    vocab_size: int,
+    max_sequence_length: int,
+    position_embedding_type: str = "rope",
+    share_embeddings_and_output_weights: bool = False,
+    layer_spec=None,
+    ddp_config=None,
+    wrap_ddp: bool = True,
+):
+    """Megatron's GPTModel for this pipeline stage (Ulysses core attention), in Megatron's DDP."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.models.gpt import GPTModel
+
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec if layer_spec is not None else get_ulysses_layer_spec(),
+        vocab_size=vocab_size,
+        max_sequence_length=max_sequence_length,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+        position_embedding_type=position_embedding_type,
+    )
+    if not wrap_ddp:
+        return model
+    if ddp_config is None:
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                   use_distributed_optimizer=False)
+    ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    config.no_sync_func = ddp.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    return ddp
+
+
+def build_optimizer(model, *, lr: float = 1e-3, min_lr: float = 0.0, weight_decay: float = 0.0,
+                    clip_grad: float = 1.0, bf16: bool = False, use_distributed_optimizer: bool = False,
+                    adam_beta2: float = 0.95):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    cfg = OptimizerConfig(optimizer="adam", lr=lr, min_lr=min_lr, weight_decay=weight_decay, clip_grad=clip_grad,
+                          bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+                          use_distributed_optimizer=use_distributed_optimizer, adam_beta2=adam_beta2)
+    return get_megatron_optimizer(cfg, [model])
+
+
+def _forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    out = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"])
+    return out, partial(masked_token_loss, batch["loss_mask"])
+
+
+def forward_backward(model, microbatches: List[Dict[str, torch.Tensor]], *, seq_length: int,
+                     micro_batch_size: int, forward_only: bool = False):
+    """Megatron's schedule over already-sharded micro-batches; returns the loss reports."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    fb = get_forward_backward_func()
+    return fb(
+        forward_step_func=_forward_step,
+        data_iterator=iter(microbatches),
+        model=[model],
+        num_microbatches=len(microbatches),
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        forward_only=forward_only,
+    )
+
+
+def train_step(model, optimizer, microbatches, *, seq_length: int, micro_batch_size: int,
+               scheduler=None, increment: int = 0) -> Dict[str, float]:
+    """One optimizer step; returns the global token-weighted loss (on every rank), grad norm."""
+    from megatron.core import parallel_state as ps
+
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    reports = forward_backward(model, microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size)
+    ok, grad_norm, _ = optimizer.step()
+    if scheduler is not None and ok:
+        scheduler.step(increment=increment)
+    loss, count = _loss_on_all_ranks(reports)
+    return {"loss": loss, "tokens": count, "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "update_successful": bool(ok)}
+
+
+def _loss_on_all_ranks(reports):
+    """Global mean loss, computed on the last stage and broadcast to every pipeline stage."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    val = torch.zeros(2, dtype=torch.float64)
+    if ps.is_pipeline_last_stage():
+        loss, count = global_mean(reports)
+        val = torch.tensor([loss, count], dtype=torch.float64)
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        dev = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        val = val.to(dev)
+        dist.broadcast(val, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+        val = val.cpu()
+    return val[0].item(), int(val[1].item())
+
+
+def evaluate(model, microbatches, *, seq_length: int, micro_batch_size: int) -> float:
+    """Token-weighted loss without gradients."""
+    model.eval()
+    with torch.no_grad():
+        reports = forward_backward(model, microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
+                                   forward_only=True)
+    model.train()
+    return _loss_on_all_ranks(reports)[0]
+
+
+def global_layer_name(model, name: str) -> str:
+    """Parameter name with the local layer index replaced by the global one (pipeline stages)."""
+    import re
+
+    m = re.match(r"(.*decoder\.layers\.)(\d+)(\..*)", name)
+    if not m:
+        return name
+    core = model.module if hasattr(model, "module") else model
+    layer = core.decoder.layers[int(m.group(2))]
+    return f"{m.group(1)}{layer.layer_number - 1}{m.group(3)}"
+
+
+__all__ = ["gpt_config", "build_gpt", "build_optimizer", "forward_backward", "train_step", "evaluate",
+           "global_layer_name"]
