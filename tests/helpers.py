@@ -102,7 +102,7 @@ def _spawn_entry(rank, world_size, port, fn, args, queue):
     )
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        dist.init_process_group(os.environ.get("ULYSSES_TEST_BACKEND", "gloo"), rank=rank, world_size=world_size)
         out = fn(rank, world_size, *args)
         queue.put((rank, "ok", out))
     except BaseException as ex:  # noqa: BLE001

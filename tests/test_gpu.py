@@ -1,0 +1,65 @@
+"""Tier 4: GPU backends and NCCL (skipped without CUDA, never faked).
+
+* flash-attn and Transformer Engine kernels as the inner kernel, against float64;
+* with ULYSSES_GPU_WORLD=P (and >= P GPUs), the attention parity in an NCCL world of P.
+"""
+
+import os
+
+import pytest
+import torch
+
+from tests.helpers import reference_attention, run_spawned
+
+pytestmark = pytest.mark.gpu
+
+
+def _inputs(S=256, b=2, hq=8, hk=2, d=64, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(S, b, h, d, generator=g).to(dtype) for h in (hq, hk, hk, hq)]
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flash", "te"])
+def test_kernel_on_gpu_matches_float64(backend):
+    from ulysses_mcore import backends, ulysses_attention
+
+    if backends.backend_error(backend):
+        pytest.skip(backends.backend_error(backend))
+    q, k, v, dout = (t.cuda() for t in _inputs())
+    qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
+    out = ulysses_attention(qs, ks, vs, group=None, causal=True, backend=backend)
+    out.backward(dout)
+    qr, kr, vr = (t.double().cpu().requires_grad_() for t in (q, k, v))
+    ref = reference_attention(qr, kr, vr, causal=True)
+    ref.backward(dout.double().cpu())
+    for a, r in zip((out, qs.grad, ks.grad, vs.grad), (ref, qr.grad, kr.grad, vr.grad)):
+        assert ((a.double().cpu() - r).abs().max() / r.abs().max()).item() < 3e-2
+
+
+def _nccl_world(rank, world, backend):
+    import torch.distributed as dist
+
+    from ulysses_mcore import ulysses_attention
+
+    torch.cuda.set_device(rank)
+    q, k, v, dout = (t.cuda() for t in _inputs(S=256 * world))
+    qs, ks, vs = (t.chunk(world)[rank].clone().requires_grad_() for t in (q, k, v))
+    out = ulysses_attention(qs, ks, vs, group=dist.group.WORLD, causal=True, backend=backend)
+    out.backward(dout.chunk(world)[rank])
+    qr, kr, vr = (t.double().cpu().requires_grad_() for t in (q, k, v))
+    ref = reference_attention(qr, kr, vr, causal=True)
+    ref.backward(dout.double().cpu())
+    errs = []
+    for a, r in zip((out, qs.grad, ks.grad, vs.grad), (ref, qr.grad, kr.grad, vr.grad)):
+        r = r.chunk(world)[rank]
+        errs.append(((a.double().cpu() - r).abs().max() / r.abs().max()).item())
+    return max(errs)
+
+
+@pytest.mark.skipif(int(os.environ.get("ULYSSES_GPU_WORLD", "0")) < 2, reason="set ULYSSES_GPU_WORLD=P on a node with P GPUs")
+def test_nccl_world():
+    P = int(os.environ["ULYSSES_GPU_WORLD"])
+    if torch.cuda.device_count() < P:
+        pytest.skip(f"needs {P} GPUs")
+    os.environ["ULYSSES_TEST_BACKEND"] = "nccl"
+    assert max(run_spawned(P, _nccl_world, "sdpa")) < 3e-2
