@@ -1,0 +1,115 @@
+"""examples/pretrain_gpt.py end to end under torchrun (gloo, CPU).
+
+* ulysses 1 and ulysses 2 give the same loss line for the same seed and data (1e-4 rel);
+* a checkpoint saved at ulysses 2 resumes at ulysses 1 and at tp 2 x ulysses 2, and the
+  loss curve continues as if uninterrupted (1e-4 rel);
+* bad flags fail fast on every rank with a clear message.
+"""
+
+import csv
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import free_port
+
+pytestmark = pytest.mark.spawn
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "examples", "pretrain_gpt.py")
+COMMON = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
+          "--seq-length", "128", "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "6",
+          "--lr-warmup-iters", "1", "--lr", "3e-3", "--seed", "7"]
+
+
+def launch(nproc, args, log_dir, timeout=300):
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    cmd = [torchrun, "--nproc-per-node", str(nproc), "--master-port", str(free_port()), SCRIPT, *args,
+           "--log-dir", str(log_dir)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=str(log_dir))
+
+
+def losses(log_dir):
+    with open(os.path.join(log_dir, "metrics.csv")) as f:
+        return {int(r["iteration"]): float(r["lm_loss"]) for r in csv.DictReader(f) if r["kind"] == "train"}
+
+
+def close(a, b, rtol=1e-4):
+    return abs(a - b) <= rtol * abs(b)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("pretrain")
+    out = {}
+    # the uninterrupted runs: ulysses 1 (one rank) and ulysses 2 (two ranks, saving at 3 and 6)
+    for name, nproc, extra in [("u1", 1, []),
+                               ("u2", 2, ["--ulysses-degree", "2", "--save", str(base / "ckpt"), "--save-interval", "3"])]:
+        d = base / name
+        d.mkdir()
+        r = launch(nproc, COMMON + extra, d)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        out[name] = (d, r)
+    # resume the ulysses-2 checkpoint of iteration 3 at other degrees
+    with open(base / "ckpt" / "latest_checkpointed_iteration.txt", "w") as f:
+        f.write("3")
+    for name, nproc, extra in [("resume_tp2u2", 4, ["--tensor-model-parallel-size", "2", "--ulysses-degree", "2"]),
+                               ("resume_u1", 1, [])]:
+        d = base / name
+        d.mkdir()
+        r = launch(nproc, COMMON + extra + ["--load", str(base / "ckpt")], d)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        out[name] = (d, r)
+    return out
+
+
+def test_log_lines_in_megatron_format(runs):
+    d, r = runs["u2"]
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith(" iteration")]
+    assert len(lines) == 6
+    for key in ("consumed samples:", "elapsed time per iteration (ms):", "learning rate:", "global batch size:",
+                "lm loss:", "grad norm:", "tokens per second:", "peak memory (GB):"):
+        assert key in lines[0]
+    assert "parallel axes in force: world 2 = tp 1 x ulysses 2" in r.stdout
+    ls = losses(d)
+    assert ls[6] < ls[1]  # it learns
+
+
+def test_ulysses1_and_ulysses2_give_the_same_losses(runs):
+    a, b = losses(runs["u1"][0]), losses(runs["u2"][0])
+    assert sorted(a) == sorted(b) == list(range(1, 7))
+    for it in a:
+        assert close(b[it], a[it]), (it, a[it], b[it])
+
+
+@pytest.mark.parametrize("name", ["resume_tp2u2", "resume_u1"])
+def test_resume_at_other_degrees_continues_the_curve(runs, name):
+    full = losses(runs["u2"][0])
+    d, r = runs[name]
+    resumed = losses(d)
+    assert "resumed from" in r.stdout and "at iteration 3 (12 samples consumed)" in r.stdout
+    assert sorted(resumed) == [4, 5, 6]
+    for it in resumed:
+        assert close(resumed[it], full[it]), (it, resumed[it], full[it])
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--ulysses-degree", "3"], "does not divide WORLD_SIZE(2)"),
+    (["--ulysses-degree", "2", "--num-attention-heads", "6", "--num-query-groups", "3", "--hidden-size", "48"],
+     "--ulysses-degree 2 does not fit"),
+    (["--ulysses-degree", "2", "--seq-length", "130"], "--seq-length 130"),
+    (["--global-batch-size", "3"], "--global-batch-size 3"),
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["--save-interval", "2"], "--save-interval needs --save"),
+])
+def test_bad_flags_fail_fast_on_every_rank(tmp_path, args, needle):
+    r = launch(2, COMMON + args, tmp_path, timeout=120)
+    assert r.returncode != 0 and needle in r.stderr, r.stderr[-2000:]
+    # a non-zero rank alone (its peer never starts) fails the same way, before any collective
+    env = dict(os.environ, RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), PYTHONWARNINGS="ignore")
+    r1 = subprocess.run([sys.executable, SCRIPT, *COMMON, *args], capture_output=True, text=True, timeout=60,
+                        env=env, cwd=str(tmp_path))
+    assert r1.returncode == 2 and needle in r1.stderr, r1.stderr[-2000:]

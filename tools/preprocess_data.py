@@ -1,0 +1,39 @@
+#!/usr/bin/env python3
+"""Text or JSONL -> Megatron's indexed dataset (.bin/.idx), byte-level tokens, no download.
+
+    python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus [--json-keys text]
+
+A ``.jsonl``/``.json`` input has one JSON object a line (text under ``--json-keys``); any
+other file is plain text with documents separated by blank lines.  Each document gets an
+end-of-document token.  Shows a progress bar on stderr.
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--input", required=True)
+    p.add_argument("--output-prefix", required=True)
+    p.add_argument("--json-keys", default="text")
+    p.add_argument("--tokenizer-type", default="ByteTokenizer", choices=["ByteTokenizer"])
+    a = p.parse_args(argv)
+    from ulysses_mcore.megatron.data import read_documents, write_indexed_dataset
+
+    if not os.path.exists(a.input):
+        print(f"error: --input {a.input} does not exist", file=sys.stderr)
+        return 2
+    total = None
+    if a.input.endswith((".jsonl", ".json")):
+        with open(a.input, encoding="utf-8") as f:
+            total = sum(1 for line in f if line.strip())
+    stats = write_indexed_dataset(read_documents(a.input, a.json_keys), a.output_prefix, total=total)
+    print(f"wrote {stats['prefix']}.bin/.idx: {stats['documents']} documents, {stats['tokens']} tokens")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

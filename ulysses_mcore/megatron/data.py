@@ -1,0 +1,141 @@
+"""Data: a byte-level tokenizer, Megatron indexed datasets, GPTDataset, and a resumable sampler.
+
+* :class:`ByteTokenizer` needs no download: UTF-8 bytes 0-255, ``eod`` 256, ``pad`` 257.
+* :func:`write_indexed_dataset` writes Megatron's ``.bin``/``.idx`` with megatron-core's
+  ``IndexedDatasetBuilder``.
+* :func:`build_gpt_datasets` builds train/valid/test ``GPTDataset`` s through
+  ``BlendedMegatronDatasetBuilder``.
+* :class:`GlobalBatchSampler` maps ``consumed_samples`` to this data-parallel rank's
+  micro-batches, so a resumed run reads exactly the samples an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Iterable, Iterator, List, Optional
+
+import numpy as np
+import torch
+
+EMBEDDED_CORPUS = os.path.join(os.path.dirname(__file__), "..", "..", "data", "kjv_genesis_exodus.jsonl")
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens; what Megatron's GPTDataset asks of a tokenizer."""
+
+    def __init__(self):
+        self.eod = 256
+        self.pad = 257
+        self.vocab_size = 258
+        self.unique_identifiers = {"class": "ByteTokenizer", "vocab_size": 258}
+
+    def tokenize(self, text: str) -> List[int]:
+        return list(text.encode("utf-8"))
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def read_documents(path: str, json_key: str = "text") -> Iterator[str]:
+    """Documents of a ``.jsonl`` (one JSON object a line, text under ``json_key``) or a plain
+    text file (documents separated by blank lines)."""
+    if path.endswith((".jsonl", ".json")):
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{n}: not a JSON line ({e.msg}); expected one object per line") from None
+                if json_key not in obj:
+                    raise ValueError(f"{path}:{n}: no key {json_key!r} (keys: {sorted(obj)}); pass --json-keys")
+                yield obj[json_key]
+    else:
+        with open(path, encoding="utf-8") as f:
+            for doc in f.read().split("\n\n"):
+                if doc.strip():
+                    yield doc.strip()
+
+
+def write_indexed_dataset(docs: Iterable[str], output_prefix: str, tokenizer=None, *, progress: bool = True,
+                          total: Optional[int] = None) -> dict:
+    """Tokenize ``docs`` (EOD appended) into ``output_prefix.bin/.idx``; returns counts."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    tok = tokenizer or ByteTokenizer()
+    os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
+    builder = IndexedDatasetBuilder(output_prefix + ".bin", dtype=np.uint16)
+    n_docs = n_tokens = 0
+    t0 = time.time()
+    for doc in docs:
+        ids = tok.tokenize(doc) + [tok.eod]
+        builder.add_document(torch.tensor(ids, dtype=torch.int64), [len(ids)])
+        n_docs += 1
+        n_tokens += len(ids)
+        if progress and (n_docs % 10 == 0 or n_docs == total):
+            frac = f"{n_docs}/{total}" if total else str(n_docs)
+            bar = ""
+            if total:
+                done = int(30 * n_docs / total)
+                bar = "[" + "#" * done + "." * (30 - done) + "] "
+            rate = n_tokens / max(time.time() - t0, 1e-9) / 1e6
+            print(f"\r{bar}{frac} documents, {n_tokens} tokens ({rate:.2f} M tokens/s)", end="", file=sys.stderr)
+    builder.finalize(output_prefix + ".idx")
+    if progress:
+        print(file=sys.stderr)
+    return {"documents": n_docs, "tokens": n_tokens, "prefix": output_prefix}
+
+
+def build_gpt_datasets(prefix: str, *, seq_length: int, seed: int, split: str, samples, tokenizer=None,
+                       cache_dir: Optional[str] = None):
+    """(train, valid, test) GPTDatasets over one indexed dataset, via BlendedMegatronDatasetBuilder."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    for ext in (".bin", ".idx"):
+        if not os.path.exists(prefix + ext):
+            raise FileNotFoundError(
+                f"--data-path {prefix}: {prefix + ext} is missing; make it with "
+                f"python tools/preprocess_data.py --input FILE --output-prefix {prefix}"
+            )
+    cfg = GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend=([prefix], None),
+        split=split,
+        tokenizer=tokenizer or ByteTokenizer(),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,
+        path_to_cache=cache_dir,
+    )
+    return BlendedMegatronDatasetBuilder(GPTDataset, samples, lambda: True, cfg).build()
+
+
+class GlobalBatchSampler:
+    """Global batch ``i`` is samples ``[c, c + G)`` with ``c = consumed_samples``; data-parallel
+    rank ``d`` takes its ``G / dp`` of them, as ``G / (dp * mbs)`` micro-batches of ``mbs``."""
+
+    def __init__(self, dataset, *, global_batch_size: int, micro_batch_size: int, dp_size: int, dp_rank: int):
+        if global_batch_size % (micro_batch_size * dp_size):
+            raise ValueError(
+                f"--global-batch-size {global_batch_size} must be a multiple of --micro-batch-size "
+                f"{micro_batch_size} x data-parallel size {dp_size}"
+            )
+        self.dataset, self.G, self.mbs, self.dp, self.rank = dataset, global_batch_size, micro_batch_size, dp_size, dp_rank
+
+    def microbatches(self, consumed_samples: int) -> List[dict]:
+        per_rank = self.G // self.dp
+        start = consumed_samples + self.rank * per_rank
+        idx = [(start + i) % len(self.dataset) for i in range(per_rank)]
+        out = []
+        for m in range(0, per_rank, self.mbs):
+            samples = [self.dataset[i] for i in idx[m:m + self.mbs]]
+            out.append({k: torch.stack([torch.as_tensor(s[k]) for s in samples])
+                        for k in ("tokens", "labels", "loss_mask", "position_ids")})
+        return out
