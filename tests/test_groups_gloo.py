@@ -45,13 +45,33 @@ def _world(rank, world):
         got["pgc.ulysses"] = pgc.ulysses is groups.get_ulysses_group()
         results.append(got)
         groups.destroy()
+
+    # megatron_patches: Megatron-LM's own initialize_model_parallel call registers the Ulysses group
+    import argparse
+
+    import megatron_patches
+    from megatron.core import parallel_state as ps
+    from ulysses_mcore import state
+
+    megatron_patches.fold_args(argparse.Namespace(ulysses_degree=4, context_parallel_size=1))
+    megatron_patches.apply()
+    try:
+        ps.initialize_model_parallel(tensor_model_parallel_size=2, context_parallel_size=4)
+        g = state.get_ulysses_group()
+        results.append({"patched": sorted(dist.get_process_group_ranks(g)) ==
+                        sorted(dist.get_process_group_ranks(ps.get_context_parallel_group()))
+                        and dist.get_world_size(g) == 4})
+    finally:
+        megatron_patches.remove()
+        groups.destroy()
     return results
 
 
 def test_real_groups_match_pure_math():
     per_rank = run_spawned(8, _world)
     for rank, results in enumerate(per_rank):
-        for cfg, got in zip(CONFIGS, results):
+        assert results[-1] == {"patched": True}, rank
+        for cfg, got in zip(CONFIGS, results[:-1]):
             for axes, val in got.items():
                 if axes == "pgc.ulysses":
                     assert val, (rank, cfg)

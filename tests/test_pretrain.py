@@ -113,3 +113,13 @@ def test_bad_flags_fail_fast_on_every_rank(tmp_path, args, needle):
     r1 = subprocess.run([sys.executable, SCRIPT, *COMMON, *args], capture_output=True, text=True, timeout=60,
                         env=env, cwd=str(tmp_path))
     assert r1.returncode == 2 and needle in r1.stderr, r1.stderr[-2000:]
+
+
+def test_plot_training_draws_a_png(runs, tmp_path):
+    out = tmp_path / "training.png"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plot_training.py"),
+                        os.path.join(runs["u1"][0], "metrics.csv"), os.path.join(runs["u2"][0], "metrics.csv"),
+                        "--label", "ulysses1", "--label", "ulysses2", "--out", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000

@@ -1,0 +1,183 @@
+"""Ulysses for users of Megatron-LM's own ``pretrain_gpt.py``, with no edit to Megatron-LM.
+
+    torchrun --nproc-per-node 8 -m megatron_patches.launch /path/to/Megatron-LM/pretrain_gpt.py \
+        --ulysses-degree 4 --tensor-model-parallel-size 2 ... (Megatron-LM's usual flags)
+
+or, inside your own copy of the script::
+
+    import megatron_patches
+    megatron_patches.apply()
+    pretrain(..., extra_args_provider=megatron_patches.add_ulysses_args)
+
+What :func:`apply` does (idempotent; :func:`remove` undoes it):
+
+1. ``validate_args`` first folds ``--ulysses-degree U`` into Megatron's context-parallel
+   axis: ``context_parallel_size = U * C`` (``C`` = ``--context-parallel-size``, the ring),
+   with ``hierarchical_context_parallel_sizes = [U, C]`` when both are > 1.  Megatron-LM
+   then does everything CP needs by itself: its ``get_batch`` slices tokens, labels,
+   loss mask and positions in dual-chunk order, RoPE is sliced the same way, DDP reduces
+   gradients over ``dp x cp`` and the loss is averaged over the right ranks.
+2. ``parallel_state.initialize_model_parallel`` registers the Ulysses group (the CP group,
+   or its first hierarchical level) for :class:`ulysses_mcore.UlyssesAttention`.
+3. The GPT layer-spec functions of megatron-core (local, Transformer Engine, decoder
+   block) return their usual spec with ``core_attention`` swapped for
+   ``UlyssesAttention`` (inner kernel TE when the spec is TE's, else SDPA) -- through
+   ``ModuleSpec``, never by patching ``SelfAttention``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Dict, Tuple
+
+_ORIGINALS: Dict[Tuple[str, str], object] = {}
+_STATE = {"ulysses": 1, "cp": 1}
+
+SPEC_FUNCTIONS = {
+    "get_gpt_layer_local_spec": "sdpa",
+    "get_gpt_layer_with_transformer_engine_spec": "te",
+    "get_gpt_decoder_block_spec": None,  # local or TE, chosen by its use_transformer_engine argument
+}
+
+
+def add_ulysses_args(parser):
+    """Megatron-LM ``extra_args_provider``: adds ``--ulysses-degree``."""
+    g = parser.add_argument_group(title="ulysses sequence parallelism")
+    g.add_argument("--ulysses-degree", type=int, default=1,
+                   help="Ulysses all-to-all sequence-parallel degree (inner level of context parallelism)")
+    g.add_argument("--ulysses-attention-backend", choices=["auto", "sdpa", "flash", "te"], default="auto",
+                   help="inner attention kernel (auto: TE with TE specs, SDPA otherwise)")
+    return parser
+
+
+def fold_args(args):
+    """Fold ``--ulysses-degree`` into Megatron's CP arguments (in place); returns ``args``.
+
+    Raises ``ValueError`` naming the flags when the degrees cannot work; runs on every rank
+    before any collective."""
+    u = getattr(args, "ulysses_degree", 1) or 1
+    if getattr(args, "_ulysses_folded", False):
+        return args
+    if u < 1:
+        raise ValueError(f"--ulysses-degree must be >= 1, got {u}")
+    ring = getattr(args, "context_parallel_size", 1) or 1
+    heads = getattr(args, "num_attention_heads", None)
+    if heads is not None and u > 1:
+        from ulysses_mcore.topology import Topology
+
+        tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+        pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
+        world = getattr(args, "world_size", None) or tp * u * ring * pp
+        Topology(world, tp=tp, ulysses=u, cp=ring, pp=pp).check_model(
+            heads, getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", True) else None,
+            getattr(args, "seq_length", None))
+    args.context_parallel_size = u * ring
+    if u > 1 and ring > 1:
+        args.hierarchical_context_parallel_sizes = [u, ring]
+    args._ulysses_folded = True
+    _STATE.update(ulysses=u, cp=ring, backend=getattr(args, "ulysses_attention_backend", "auto"))
+    return args
+
+
+def _wrap_validate(fn):
+    @functools.wraps(fn)
+    def validate_args(args, *a, **kw):
+        fold_args(args)
+        return fn(args, *a, **kw)
+
+    validate_args._ulysses = True
+    return validate_args
+
+
+def _wrap_init(fn):
+    @functools.wraps(fn)
+    def initialize_model_parallel(*a, **kw):
+        out = fn(*a, **kw)
+        from megatron.core import parallel_state as ps
+
+        from ulysses_mcore import state
+
+        u, ring = _STATE["ulysses"], _STATE["cp"]
+        if u <= 1:
+            state.set_ulysses_group(None)
+        elif ring == 1:
+            state.set_ulysses_group(ps.get_context_parallel_group())
+        else:
+            state.set_ulysses_group(ps.get_hierarchical_context_parallel_groups()[0])
+        return out
+
+    initialize_model_parallel._ulysses = True
+    return initialize_model_parallel
+
+
+def _wrap_spec(fn, default_backend):
+    @functools.wraps(fn)
+    def spec_fn(*a, **kw):
+        from ulysses_mcore.megatron.specs import swap_core_attention
+
+        spec = fn(*a, **kw)
+        backend = _STATE.get("backend", "auto")
+        if backend in (None, "auto"):
+            backend = default_backend
+            if backend is None:  # decoder block: TE unless use_transformer_engine=False
+                backend = "te" if kw.get("use_transformer_engine", True) else "sdpa"
+        return swap_core_attention(spec, backend=backend)
+
+    spec_fn._ulysses = True
+    return spec_fn
+
+
+def _targets():
+    """(module, attribute, wrapper) for everything :func:`apply` patches that is importable."""
+    out = []
+    ps = importlib.import_module("megatron.core.parallel_state")
+    out.append((ps, "initialize_model_parallel", _wrap_init))
+    specs = importlib.import_module("megatron.core.models.gpt.gpt_layer_specs")
+    for name, backend in SPEC_FUNCTIONS.items():
+        if hasattr(specs, name):
+            out.append((specs, name, lambda f, b=backend: _wrap_spec(f, b)))
+    for modname in ("megatron.training.arguments", "megatron.training.initialize"):
+        try:
+            mod = importlib.import_module(modname)
+        except Exception:  # Megatron-LM (megatron.training) not installed: megatron-core alone
+            continue
+        if hasattr(mod, "validate_args"):
+            out.append((mod, "validate_args", _wrap_validate))
+    # modules that imported the patched functions by name (e.g. Megatron-LM's gpt_builders)
+    for modname in ("gpt_builders", "megatron.training.initialize", "pretrain_gpt"):
+        try:
+            mod = importlib.import_module(modname)
+        except Exception:
+            continue
+        for name in ("initialize_model_parallel", *SPEC_FUNCTIONS):
+            if hasattr(mod, name) and (mod, name) not in [(m, n) for m, n, _ in out]:
+                wrap = _wrap_init if name == "initialize_model_parallel" else (
+                    lambda f, b=SPEC_FUNCTIONS[name]: _wrap_spec(f, b))
+                out.append((mod, name, wrap))
+    return out
+
+
+def apply():
+    """Install the patches (idempotent)."""
+    for mod, name, wrap in _targets():
+        key = (mod.__name__, name)
+        if key in _ORIGINALS:
+            continue
+        fn = getattr(mod, name)
+        if getattr(fn, "_ulysses", False):
+            continue
+        _ORIGINALS[key] = fn
+        setattr(mod, name, wrap(fn))
+
+
+def remove():
+    """Undo :func:`apply` (idempotent)."""
+    for (modname, name), fn in list(_ORIGINALS.items()):
+        setattr(importlib.import_module(modname), name, fn)
+        del _ORIGINALS[(modname, name)]
+    _STATE.update(ulysses=1, cp=1, backend="auto")
+
+
+def is_applied() -> bool:
+    return bool(_ORIGINALS)
