@@ -37,6 +37,9 @@ The single-rank reference for both transforms is :func:`reference_seq_to_head` /
 
 from __future__ import annotations
 
+import os
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -106,6 +109,64 @@ def head_plan_error(num_q_heads: int, num_kv_heads: int, degree: int) -> Optiona
     return None
 
 
+def _unreferenced(buf: torch.Tensor) -> bool:
+    """True when nothing but the pool holds ``buf``'s storage (the temporary storage object
+    made here accounts for the second reference)."""
+    return torch._C._storage_Use_Count(buf.untyped_storage()._cdata) == 2
+
+
+class _BufferPool(threading.local):
+    """A free list of CPU buffers for the exchange, per thread.
+
+    On the CPU every fresh multi-MB tensor costs a page fault per 4 KB on first touch
+    (measured: 20 ms for 25 MB -- as long as the all-to-all itself), and glibc returns large
+    blocks to the OS on free, so each call would pay it again.  This pool hands out a
+    buffer only when nothing else references its storage any more (send buffers right
+    after their all-to-all; received q/k/v once the kernel's saved tensors are freed by the
+    backward; outputs and gradients once the caller drops them), else allocates and keeps
+    a new one, up to ``per_size`` buffers per size.  CUDA tensors bypass it: the CUDA
+    caching allocator already does this.  ``ULYSSES_MCORE_POOL=0`` turns it off;
+    :meth:`clear` returns the memory."""
+
+    per_size = 64
+
+    def __init__(self):
+        self.free_lists: dict = {}
+        self.enabled = os.environ.get("ULYSSES_MCORE_POOL", "1") != "0" and hasattr(torch._C, "_storage_Use_Count")
+
+    def take(self, shape, dtype, device) -> torch.Tensor:
+        device = torch.device(device)
+        if not self.enabled or device.type != "cpu":
+            return torch.empty(shape, dtype=dtype, device=device)
+        n = 1
+        for x in shape:
+            n *= x
+        bufs = self.free_lists.setdefault((n, dtype), [])
+        for buf in bufs:
+            if _unreferenced(buf):
+                return buf.view(shape)
+        buf = torch.empty(n, dtype=dtype, device=device)
+        if len(bufs) < self.per_size:
+            bufs.append(buf)
+        return buf.view(shape)
+
+    def clear(self):
+        self.free_lists.clear()
+
+    def pooled_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for bufs in self.free_lists.values() for b in bufs)
+
+
+POOL = _BufferPool()
+
+
+def _fresh(view: torch.Tensor, shape) -> torch.Tensor:
+    """A contiguous copy of ``view`` in a buffer no one else holds."""
+    out = POOL.take(tuple(view.shape), view.dtype, view.device)
+    out.copy_(view)
+    return out.view(shape)
+
+
 def _group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
@@ -119,7 +180,7 @@ def _pack_qkv(q, k, v, plan: HeadPlan) -> torch.Tensor:
     """One pass: send buffer ``[P, A, B, n, d]``, chunk j = rank j's q heads, then k, v heads."""
     P, qn, kn = plan.degree, plan.q_per_rank, plan.kv_per_rank
     A, B, _, d = q.shape
-    send = q.new_empty(P, A, B, plan.heads_per_chunk, d)
+    send = POOL.take((P, A, B, plan.heads_per_chunk, d), q.dtype, q.device)
     send[..., :qn, :].copy_(q.unflatten(2, (P, qn)).permute(2, 0, 1, 3, 4))
     for off, t in ((qn, k), (qn + kn, v)):
         if plan.kv_replicas == 1:
@@ -135,12 +196,12 @@ def _unpack_qkv_grad(buf: torch.Tensor, plan: HeadPlan):
     """Inverse of :func:`_pack_qkv` for gradients: replicas of a KV head are summed."""
     P, qn, kn = plan.degree, plan.q_per_rank, plan.kv_per_rank
     _, A, B, _, d = buf.shape
-    dq = buf[..., :qn, :].permute(1, 2, 0, 3, 4).reshape(A, B, P * qn, d)
+    dq = _fresh(buf[..., :qn, :].permute(1, 2, 0, 3, 4), (A, B, P * qn, d))
     out = [dq]
     for off in (qn, qn + kn):
         part = buf[..., off : off + kn, :]
         if plan.kv_replicas == 1:
-            out.append(part.permute(1, 2, 0, 3, 4).reshape(A, B, P * kn, d))
+            out.append(_fresh(part.permute(1, 2, 0, 3, 4), (A, B, P * kn, d)))
         else:
             hk, rep = plan.num_kv_heads, plan.kv_replicas
             summed = part.reshape(hk, rep, A, B, d).sum(1)  # [hk, A, B, d]
@@ -157,12 +218,19 @@ def _recv_as_layout(recv: torch.Tensor, layout: str) -> torch.Tensor:
 
 
 def _layout_as_chunks(x: torch.Tensor, layout: str, P: int) -> torch.Tensor:
-    """Full-sequence ``layout`` tensor -> ``[P, A, B, n, d]`` chunked by token block (contiguous)."""
+    """Full-sequence ``layout`` tensor -> ``[P, A, B, n, d]`` chunked by token block (contiguous;
+    zero copies for contiguous sbhd, else one copy into a pooled buffer)."""
     if layout == "sbhd":
         S, b, n, d = x.shape
-        return x.contiguous().view(P, S // P, b, n, d)
-    b, S, n, d = x.shape
-    return x.unflatten(1, (P, S // P)).transpose(0, 1).contiguous()
+        if x.is_contiguous():
+            return x.view(P, S // P, b, n, d)
+        chunks = x.unflatten(0, (P, S // P))
+    else:
+        b, S, n, d = x.shape
+        chunks = x.unflatten(1, (P, S // P)).transpose(0, 1)
+    send = POOL.take(tuple(chunks.shape), x.dtype, x.device)
+    send.copy_(chunks)
+    return send
 
 
 class SeqToHead(torch.autograd.Function):
@@ -174,7 +242,7 @@ class SeqToHead(torch.autograd.Function):
         # 1. one copy: q, k, v -> one send buffer, chunk j holding rank j's heads
         send = _pack_qkv(q, k, v, plan)
         # 2. one collective
-        recv = torch.empty_like(send)
+        recv = POOL.take(tuple(send.shape), send.dtype, send.device)
         _a2a(recv, send, group)
         # 3. the received buffer is the full sequence (sbhd: a view; bshd: one copy if b > 1)
         full = _recv_as_layout(recv, layout)
@@ -191,7 +259,7 @@ class SeqToHead(torch.autograd.Function):
         shape = list(ref.shape)
         shape[seq_dim] = S // P
         shape[2] = plan.heads_per_chunk
-        buf = ref.new_empty(P, *shape)
+        buf = POOL.take((P, *shape), ref.dtype, ref.device)
         # 1. one copy: the three gradients into the buffer the forward received
         for g, lo, hi in ((gq, 0, qn), (gk, qn, qn + kn), (gv, qn + kn, qn + 2 * kn)):
             if g is None:
@@ -200,7 +268,7 @@ class SeqToHead(torch.autograd.Function):
             chunks = g.unflatten(seq_dim, (P, S // P))
             buf[..., lo:hi, :].copy_(chunks if seq_dim == 0 else chunks.transpose(0, 1))
         # 2. one collective (the inverse permutation of the forward's)
-        recv = torch.empty_like(buf)
+        recv = POOL.take(tuple(buf.shape), buf.dtype, buf.device)
         _a2a(recv, buf, ctx.group)
         # 3. one copy back to [A, B, h, d]; replicated kv heads summed
         dq, dk, dv = _unpack_qkv_grad(recv, plan)
@@ -215,19 +283,21 @@ class HeadToSeq(torch.autograd.Function):
         ctx.group, ctx.degree, ctx.layout = group, degree, layout
         # 1. pack: zero copies when out is contiguous sbhd, else one
         send = _layout_as_chunks(out, layout, degree)
-        recv = torch.empty_like(send)
+        recv = POOL.take(tuple(send.shape), send.dtype, send.device)
         # 2. one collective
         _a2a(recv, send, group)
         # 3. one copy: [P(src heads), A, B, n, d] -> [A, B, P*n, d]
         P, A, B, n, d = recv.shape
-        return recv.permute(1, 2, 0, 3, 4).reshape(A, B, P * n, d)
+        return _fresh(recv.permute(1, 2, 0, 3, 4), (A, B, P * n, d))
 
     @staticmethod
     def backward(ctx, g):
         P = ctx.degree
         n = g.shape[2] // P
-        send = g.unflatten(2, (P, n)).permute(2, 0, 1, 3, 4).contiguous()
-        recv = torch.empty_like(send)
+        chunks = g.unflatten(2, (P, n)).permute(2, 0, 1, 3, 4)
+        send = POOL.take(tuple(chunks.shape), g.dtype, g.device)
+        send.copy_(chunks)
+        recv = POOL.take(tuple(send.shape), send.dtype, send.device)
         _a2a(recv, send, ctx.group)
         return _recv_as_layout(recv, ctx.layout), None, None, None
 

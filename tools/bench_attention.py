@@ -1,0 +1,275 @@
+#!/usr/bin/env python3
+"""Side-by-side Ulysses attention benchmark: ulysses_mcore vs DeepSpeed vs all-gather vs the floor.
+
+    python tools/bench_attention.py [--world 2] [--kernel trivial,sdpa] [--seq 1024,4096,16384,65536] \
+        [--heads 8 --head-dim 64] [--repeats 5] [--out docs/perf]
+
+One gloo world of ``--world`` processes; same shapes, same inner kernel for everyone;
+forward+backward medians over interleaved repeats after a warm-up.
+
+* ``ulysses_mcore``  -- this package (packed q/k/v: 2 all-to-alls forward, 2 backward;
+  the default input check adds one tiny all-gather per call).
+* ``deepspeed``      -- ``deepspeed.sequence.layer.DistributedAttention`` (one all-to-all
+  per tensor: 4 forward, 4 backward).
+* ``allgather``      -- all-gather K and V over the sequence, local queries (SDPA only);
+  the backward all-reduces dK/dV (gloo has no reduce-scatter).
+* ``floor``          -- the all-to-alls every Ulysses implementation must do
+  (``(P-1)/P`` of the local Q, K, V and output, forward and backward), timed as bare
+  ``all_to_all_single`` calls of exactly those sizes in the same run, plus the local
+  kernel on ``s`` tokens and ``h/P`` heads (fwd+bwd) on one rank with no communication.
+
+Writes ``bench_attention_P{world}.md`` (markdown table), ``.json`` and ``.png`` under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+
+def trivial_kernel(q, k, v, *, causal=True, softmax_scale=None):
+    return q + k + v
+
+
+def sdpa_kernel(q, k, v, *, causal=True, softmax_scale=None):
+    from ulysses_mcore.backends import sdpa_attention
+
+    return sdpa_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, layout="sbhd")
+
+
+KERNELS = {"trivial": trivial_kernel, "sdpa": sdpa_kernel}
+
+
+class _GatherSeq(torch.autograd.Function):
+    """All-gather along the sequence; backward all-reduces and keeps this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        P = dist.get_world_size(group)
+        parts = [torch.empty_like(x) for _ in range(P)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=0)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous()
+        dist.all_reduce(g, group=ctx.group)
+        P, r = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        return g.chunk(P, dim=0)[r].contiguous(), None
+
+
+def allgather_attention(q, k, v, group):
+    P, r = dist.get_world_size(group), dist.get_rank(group)
+    kf, vf = _GatherSeq.apply(k, group), _GatherSeq.apply(v, group)
+    s = q.shape[0]
+    qpos = torch.arange(r * s, (r + 1) * s).unsqueeze(1)
+    allowed = torch.arange(s * P).unsqueeze(0) <= qpos  # causal over global positions
+    qb, kb, vb = q.permute(1, 2, 0, 3), kf.permute(1, 2, 0, 3), vf.permute(1, 2, 0, 3)
+    out = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, attn_mask=allowed)
+    return out.permute(2, 0, 1, 3)
+
+
+def _timed(fn):
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
+def _worker(rank, world, port, args, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(max(1, args.threads))
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    import deepspeed
+    from deepspeed.sequence.layer import DistributedAttention
+
+    import ulysses_mcore
+
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    group = dist.group.WORLD
+    H, D, P = args.heads, args.head_dim, world
+    results = []
+    for kname in args.kernel.split(","):
+        kernel = KERNELS[kname]
+        seqs = [int(s) for s in (args.seq if kname == "trivial" else args.sdpa_seq).split(",")]
+        for S in seqs:
+            g = torch.Generator().manual_seed(S)
+            q, k, v, dout = (torch.randn(S // P, 1, H, D, generator=g) for _ in range(4))
+            ds = DistributedAttention(lambda a, b, c: kernel(a, b, c), group, scatter_idx=2, gather_idx=0)
+
+            def run(impl):
+                qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
+                if impl == "ulysses_mcore":
+                    out = ulysses_mcore.ulysses_attention(qs, ks, vs, group=group, causal=True, backend=kernel)
+                elif impl == "ulysses_nocheck":
+                    out = ulysses_mcore.ulysses_attention(qs, ks, vs, group=group, causal=True, backend=kernel,
+                                                          check=False)
+                elif impl == "deepspeed":
+                    out = ds(qs, ks, vs, 1)
+                else:
+                    out = allgather_attention(qs, ks, vs, group)
+                out.backward(dout)
+
+            # the floor's pieces: bare all-to-alls of exactly the exchanged sizes, and the local kernel
+            qkv_send = torch.randn(P, S // P, 1, 3 * H // P, D)
+            out_send = torch.randn(P, S // P, 1, H // P, D)
+            rq, ro = torch.empty_like(qkv_send), torch.empty_like(out_send)
+
+            def bare_a2a():
+                for _ in range(2):  # forward and backward
+                    dist.all_to_all_single(rq, qkv_send, group=group)
+                    dist.all_to_all_single(ro, out_send, group=group)
+
+            gk = torch.Generator().manual_seed(1)
+            kq, kk, kv, kd = (torch.randn(S, 1, H // P, D, generator=gk) for _ in range(4))
+
+            def local_kernel():
+                if rank == 0:
+                    a, b, c = (t.clone().requires_grad_() for t in (kq, kk, kv))
+                    kernel(a, b, c, causal=True).backward(kd)
+
+            impls = ["ulysses_mcore", "ulysses_nocheck", "deepspeed"] + (["allgather"] if kname == "sdpa" else [])
+            tasks = {i: (lambda i=i: run(i)) for i in impls}
+            tasks["a2a"] = bare_a2a
+            tasks["kernel"] = local_kernel
+            times = {name: [] for name in tasks}
+            for _ in range(args.warmup):
+                for fn in tasks.values():
+                    _timed(fn)
+            for _ in range(args.repeats):
+                for name, fn in tasks.items():
+                    times[name].append(_timed(fn))
+            med = {name: statistics.median(v) for name, v in times.items()}
+            elem = 4
+            exchanged = 2 * (P - 1) / P * (qkv_send.numel() + out_send.numel()) * elem
+            row = {
+                "kernel": kname, "seq": S, "world": P, "heads": H, "head_dim": D,
+                "ulysses_mcore_ms": med["ulysses_mcore"] * 1e3,
+                "ulysses_nocheck_ms": med["ulysses_nocheck"] * 1e3,
+                "deepspeed_ms": med["deepspeed"] * 1e3,
+                "allgather_ms": med.get("allgather", float("nan")) * 1e3,
+                "a2a_ms": med["a2a"] * 1e3, "kernel_ms": med["kernel"] * 1e3,
+                "floor_ms": (med["a2a"] + med["kernel"]) * 1e3,
+                "bytes_exchanged_per_rank": exchanged,
+                "a2a_bandwidth_GBps": exchanged / med["a2a"] / 1e9,
+                "ulysses_bandwidth_GBps": exchanged / max(med["ulysses_mcore"] - med["kernel"], 1e-9) / 1e9,
+            }
+            row["ulysses_over_deepspeed"] = row["ulysses_mcore_ms"] / row["deepspeed_ms"]
+            row["ulysses_over_floor"] = row["ulysses_mcore_ms"] / row["floor_ms"]
+            row["deepspeed_over_floor"] = row["deepspeed_ms"] / row["floor_ms"]
+            results.append(row)
+            if rank == 0:
+                print(f"[{kname} S={S}] ulysses {row['ulysses_mcore_ms']:.1f} ms, deepspeed {row['deepspeed_ms']:.1f} ms, "
+                      f"floor {row['floor_ms']:.1f} ms (a2a {row['a2a_ms']:.1f} + kernel {row['kernel_ms']:.1f}); "
+                      f"ratio vs DS {row['ulysses_over_deepspeed']:.2f}, vs floor {row['ulysses_over_floor']:.2f}",
+                      flush=True)
+    if rank == 0:
+        queue.put(results)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def write_outputs(results, out_dir, world, note):
+    os.makedirs(out_dir, exist_ok=True)
+    base = os.path.join(out_dir, f"bench_attention_P{world}")
+    with open(base + ".json", "w") as f:
+        json.dump(results, f, indent=1)
+    lines = [f"Ulysses attention, gloo on CPU, P = {world}, fp32, {results[0]['heads']} heads of "
+             f"{results[0]['head_dim']}, batch 1, causal; forward+backward, median ms. {note}", "",
+             "| kernel | seq | ulysses_mcore | (no check) | DeepSpeed | all-gather | floor (a2a + kernel) | "
+             "ulysses / DeepSpeed | ulysses / floor | DeepSpeed / floor | MB exchanged / rank | a2a GB/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        ag = "-" if r["allgather_ms"] != r["allgather_ms"] else f"{r['allgather_ms']:.1f}"
+        lines.append(
+            f"| {r['kernel']} | {r['seq']} | {r['ulysses_mcore_ms']:.1f} | {r['ulysses_nocheck_ms']:.1f} | "
+            f"{r['deepspeed_ms']:.1f} | {ag} | {r['floor_ms']:.1f} ({r['a2a_ms']:.1f} + {r['kernel_ms']:.1f}) | "
+            f"**{r['ulysses_over_deepspeed']:.2f}** | **{r['ulysses_over_floor']:.2f}** | {r['deepspeed_over_floor']:.2f} | "
+            f"{r['bytes_exchanged_per_rank'] / 1e6:.1f} | {r['a2a_bandwidth_GBps']:.2f} |")
+    with open(base + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        kernels = sorted({r["kernel"] for r in results})
+        fig, axes = plt.subplots(1, len(kernels), figsize=(6 * len(kernels), 4), squeeze=False)
+        for ax, kname in zip(axes[0], kernels):
+            rows = [r for r in results if r["kernel"] == kname]
+            S = [r["seq"] for r in rows]
+            for key, label in [("ulysses_mcore_ms", "ulysses_mcore"), ("deepspeed_ms", "DeepSpeed"),
+                               ("allgather_ms", "all-gather"), ("floor_ms", "floor")]:
+                vals = [r[key] for r in rows]
+                if all(v == v for v in vals):
+                    ax.plot(S, vals, "o-" if key != "floor_ms" else "k--", label=label)
+            ax.set(xscale="log", yscale="log", xlabel="sequence length", ylabel="fwd+bwd ms",
+                   title=f"{kname} kernel, P={world} (gloo, CPU)")
+            ax.grid(alpha=0.3)
+            ax.legend()
+        fig.tight_layout()
+        fig.savefig(base + ".png", dpi=110)
+    except ImportError:
+        pass
+    return base
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--kernel", default="trivial,sdpa")
+    p.add_argument("--seq", default="1024,4096,16384,32768,65536", help="sequence lengths, trivial kernel")
+    p.add_argument("--sdpa-seq", default="1024,4096,8192,16384", help="sequence lengths, sdpa kernel")
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--out", default="docs/perf")
+    a = p.parse_args(argv)
+    import socket
+
+    import torch.multiprocessing as mp
+
+    if a.world > (os.cpu_count() or 1):
+        print(f"note: {a.world} ranks on {os.cpu_count()} cores: oversubscribed, times include contention",
+              file=sys.stderr)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_worker, args=(r, a.world, port, a, queue)) for r in range(a.world)]
+    for pr in procs:
+        pr.start()
+    for pr in procs:
+        pr.join()
+    if any(pr.exitcode for pr in procs):
+        print("error: a benchmark rank failed", file=sys.stderr)
+        return 1
+    results = queue.get()
+    note = f"{os.cpu_count()} CPU cores, {a.threads} torch thread(s) per rank, {a.repeats} repeats."
+    base = write_outputs(results, a.out, a.world, note)
+    print(open(base + ".md").read())
+    print(f"wrote {base}.md/.json/.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
