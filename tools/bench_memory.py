@@ -1,0 +1,171 @@
+#!/usr/bin/env python3
+"""Per-rank memory of a GPTModel forward+backward against sequence length, at ulysses 1, 2, 4.
+
+    python tools/bench_memory.py [--degrees 1,2,4] [--seq 1024,2048,4096,8192] [--out docs/perf]
+
+For each degree P, a gloo world of P ranks (dp 1) builds Megatron's GPTModel from the Ulysses
+local spec and runs one forward+backward on one sequence.  Measured per rank, exactly:
+
+* activations: the bytes autograd saves for backward (unique storages seen by a
+  ``saved_tensors_hooks`` pack hook, parameters excluded) -- what sequence sharding is
+  supposed to divide by P;
+* weights and gradients: parameter and DDP gradient-buffer bytes;
+
+and compared with ``tools/plan.py``'s estimate.  Reports the reduction factor per degree,
+the longest sequence that fits ``--budget-gb`` per degree (from the plan, calibrated by
+the measurement), a markdown table and a PNG plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+MODEL = dict(num_layers=4, hidden_size=256, ffn_hidden_size=1024, num_attention_heads=8, num_query_groups=4)
+VOCAB = 512
+
+
+def _worker(rank, world, port, seqs, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import torch
+    import torch.distributed as dist
+
+    from ulysses_mcore.megatron import cpu_compat
+
+    cpu_compat.apply()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    import ulysses_mcore
+    from megatron.core import tensor_parallel
+    from ulysses_mcore.megatron import training
+    from ulysses_mcore.megatron.batch import make_lm_batch, shard_batch
+
+    ulysses_mcore.initialize(ulysses=world, verbose=False)
+    torch.manual_seed(0)
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    cfg = training.gpt_config(**MODEL)
+    model = training.build_gpt(cfg, vocab_size=VOCAB, max_sequence_length=max(seqs))
+    w_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    g_bytes = sum(b.grad_data.numel() * b.grad_data.element_size() for b in model.buffers)
+    rows = []
+    for S in seqs:
+        text = torch.randint(0, VOCAB, (1, S + 1), generator=torch.Generator().manual_seed(S))
+        batch = shard_batch(make_lm_batch(text))
+        seen = {}
+
+        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+        def pack(t):  # parameters that linears save are weights, counted apart
+            st = t.untyped_storage()
+            if st.data_ptr() not in weights:
+                seen[st.data_ptr()] = st.nbytes()
+            return t
+
+        model.zero_grad_buffer()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]).sum()
+        act = sum(seen.values())
+        loss.backward()
+        rows.append({"seq": S, "degree": world, "activations_bytes": act, "weights_bytes": w_bytes,
+                     "grads_bytes": g_bytes})
+    if rank == 0:
+        queue.put(rows)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--degrees", default="1,2,4")
+    p.add_argument("--seq", default="1024,2048,4096,8192")
+    p.add_argument("--budget-gb", type=float, default=1.0, help="per-rank budget for the longest-sequence column")
+    p.add_argument("--out", default="docs/perf")
+    a = p.parse_args(argv)
+    import torch.multiprocessing as mp
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from plan import estimate, longest_sequence
+
+    degrees = [int(x) for x in a.degrees.split(",")]
+    seqs = [int(x) for x in a.seq.split(",")]
+    rows = []
+    for P in degrees:
+        print(f"measuring ulysses {P} ...", file=sys.stderr, flush=True)
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        ctx = mp.get_context("spawn")
+        queue = ctx.SimpleQueue()
+        procs = [ctx.Process(target=_worker, args=(r, P, port, seqs, queue)) for r in range(P)]
+        for pr in procs:
+            pr.start()
+        for pr in procs:
+            pr.join()
+        if any(pr.exitcode for pr in procs):
+            print(f"error: a rank failed at ulysses {P}", file=sys.stderr)
+            return 1
+        rows += queue.get()
+    base1 = {r["seq"]: r["activations_bytes"] for r in rows if r["degree"] == 1}
+    for r in rows:
+        est = estimate(seq_length=r["seq"], ulysses=r["degree"], vocab_size=VOCAB, **MODEL)
+        r["plan_activations_bytes"] = est["activations_bytes"]
+        r["plan_error"] = est["activations_bytes"] / r["activations_bytes"] - 1
+        if r["seq"] in base1:
+            r["reduction"] = base1[r["seq"]] / r["activations_bytes"]
+    fixed = rows[0]["weights_bytes"] + rows[0]["grads_bytes"]
+    fits = {}
+    for P in degrees:
+        kw = dict(vocab_size=VOCAB, **MODEL)
+        fits[P] = longest_sequence(a.budget_gb * 1e9, 2 * P, ulysses=P, **kw)
+    os.makedirs(a.out, exist_ok=True)
+    base = os.path.join(a.out, "bench_memory")
+    with open(base + ".json", "w") as f:
+        json.dump({"rows": rows, "longest_sequence": fits, "model": MODEL, "vocab": VOCAB}, f, indent=1)
+    lines = [f"GPTModel {MODEL}, vocab {VOCAB}, fp32, batch 1, local spec + Ulysses SDPA, gloo on CPU; "
+             "per-rank bytes saved for backward (exact, unique storages), weights "
+             f"{rows[0]['weights_bytes'] / 1e6:.1f} MB + grads {rows[0]['grads_bytes'] / 1e6:.1f} MB per rank at every degree.", "",
+             "| seq | ulysses | activations / rank (MB) | reduction vs ulysses 1 | x P | plan (MB) | plan error |",
+             "|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["seq"], r["degree"])):
+        red = r.get("reduction")
+        lines.append(f"| {r['seq']} | {r['degree']} | {r['activations_bytes'] / 1e6:.1f} | "
+                     f"{red:.2f} | {red / r['degree']:.3f} | {r['plan_activations_bytes'] / 1e6:.1f} | "
+                     f"{100 * r['plan_error']:+.1f}% |" if red else "")
+    lines += ["", f"Longest sequence in {a.budget_gb} GB per rank (plan: weights + grads + Adam + activations): "
+              + ", ".join(f"ulysses {P}: {s}" for P, s in fits.items())]
+    with open(base + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6.5, 4))
+        for P in degrees:
+            rs = sorted((r for r in rows if r["degree"] == P), key=lambda r: r["seq"])
+            ax.plot([r["seq"] for r in rs], [r["activations_bytes"] / 1e6 for r in rs], "o-", label=f"ulysses {P}")
+            ax.plot([r["seq"] for r in rs], [r["plan_activations_bytes"] / 1e6 for r in rs], "x:", color="gray")
+        ax.set(xscale="log", yscale="log", xlabel="sequence length", ylabel="activation MB per rank",
+               title="activation memory per rank (x: plan.py)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(base + ".png", dpi=110)
+    except ImportError:
+        pass
+    print(open(base + ".md").read())
+    del fixed
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

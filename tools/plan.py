@@ -1,0 +1,159 @@
+#!/usr/bin/env python3
+"""Predict per-rank memory and all-to-all bytes of a Ulysses GPT from its config and degrees.
+
+    python tools/plan.py --num-layers 32 --hidden-size 4096 --num-attention-heads 32 \
+        --num-query-groups 8 --ffn-hidden-size 14336 --vocab-size 128256 --seq-length 131072 \
+        --tp 2 --ulysses 4 [--pp 2] [--bf16] [--budget-gb 80] [--recompute full] [--json]
+
+Model of memory per rank (Megatron-Core local/TE layer, flash-style attention that keeps
+no s x s matrix):
+
+* weights, gradients (DDP buffer, fp32 when --bf16: grad_reduce_in_fp32), Adam state
+  (fp32 m, v, and an fp32 master copy under --bf16), all divided by tp and pp;
+* activations saved for backward, per layer, per local token (``s / (ulysses x cp)``):
+  norm inputs and statistics, the QKV / proj / fc1 / fc2 inputs, q/k/v and the output of
+  attention *in its head-sharded form* (all tokens, ``1/ulysses`` of the heads: the same
+  bytes as ``1/ulysses`` of the tokens), the softmax log-sum-exp, the MLP activation input;
+  plus the last stage's norm, logits input and cross-entropy softmax.  Full recompute keeps
+  only each layer's input.
+* all-to-all bytes sent per rank per layer: ``(P-1)/P`` of the local q, k, v (kv heads
+  replicated where they are fewer than P) and of the output, forward and backward.
+
+``--budget-gb`` prints the longest sequence (multiple of 2 x degree) that fits, per degree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def estimate(*, num_layers, hidden_size, num_attention_heads, num_query_groups=None, ffn_hidden_size=None,
+             vocab_size=50304, seq_length=4096, micro_batch_size=1, tp=1, ulysses=1, cp=1, pp=1,
+             bf16=False, recompute=None, swiglu=False, distributed_optimizer=False, dp=1):
+    g = num_query_groups or num_attention_heads
+    ffn = ffn_hidden_size or 4 * hidden_size
+    d = hidden_size // num_attention_heads
+    act = 2 if bf16 else 4  # bytes per activation element
+    s_local = seq_length // (ulysses * cp)
+    b = micro_batch_size
+    L = num_layers // pp
+    hq, hk = num_attention_heads // tp, g // tp  # heads per tensor-parallel rank
+    qkv_width = (hq + 2 * hk) * d
+    # ---- parameters (per tp/pp rank)
+    per_layer = (hidden_size * (num_attention_heads + 2 * g) * d + (num_attention_heads + 2 * g) * d  # qkv
+                 + num_attention_heads * d * hidden_size + hidden_size                               # proj
+                 + hidden_size * ffn * (2 if swiglu else 1) + ffn * (2 if swiglu else 1)              # fc1
+                 + ffn * hidden_size + hidden_size                                                   # fc2
+                 + 4 * hidden_size)                                                                  # 2 norms
+    params = L * per_layer / tp + (vocab_size * hidden_size * 2 / tp) / max(pp, 1) + 2 * hidden_size
+    w_bytes = params * (2 if bf16 else 4)
+    g_bytes = params * 4
+    opt_bytes = params * (12 if bf16 else 8)
+    if distributed_optimizer:
+        opt_bytes /= dp * ulysses * cp
+    # ---- activations per local token, elements
+    h_tp = hidden_size  # norm / residual width (sequence parallel would divide by tp)
+    fc1_out = ffn * (2 if swiglu else 1) / tp
+    layer = (
+        (h_tp + 2)                 # input layernorm: input + mean/rstd
+        + h_tp                     # linear_qkv input
+        + qkv_width                # q, k, v as the kernel saves them (head-sharded: 1/ulysses of heads, all tokens)
+        + hq * d                   # attention output
+        + hq                       # log-sum-exp
+        + hq * d                   # linear_proj input
+        + (h_tp + 2)               # pre-MLP layernorm
+        + h_tp                     # linear_fc1 input
+        + fc1_out                  # activation input
+        + ffn / tp                 # linear_fc2 input
+    )
+    if recompute == "full":
+        layer = h_tp
+    head = (hidden_size + 2) + hidden_size + vocab_size / tp  # final norm, output-layer input, softmax
+    act_bytes = act * s_local * b * (L * layer) + 4 * s_local * b * head
+    # ---- all-to-all bytes per rank
+    P = ulysses
+    q_heads_rank, kv_rank = hq // max(P, 1), max(hk // max(P, 1), 1)
+    qkv_local = s_local * b * P * (q_heads_rank + 2 * kv_rank) * d * act
+    out_local = s_local * b * hq * d * act
+    a2a_layer = 2 * (P - 1) / P * (qkv_local + out_local) if P > 1 else 0.0
+    return {
+        "params_per_rank": params,
+        "weights_bytes": w_bytes,
+        "grads_bytes": g_bytes,
+        "optimizer_bytes": opt_bytes,
+        "activations_bytes": act_bytes,
+        "total_bytes": w_bytes + g_bytes + opt_bytes + act_bytes,
+        "tokens_per_rank": s_local,
+        "a2a_bytes_per_layer": a2a_layer,
+        "a2a_bytes_per_step": a2a_layer * L,
+    }
+
+
+def longest_sequence(budget_bytes, step, **kw):
+    """Largest multiple of ``step`` whose estimated total fits ``budget_bytes`` (binary search)."""
+    lo, hi = 0, step
+    while estimate(seq_length=hi, **kw)["total_bytes"] <= budget_bytes and hi < 2**34:
+        lo, hi = hi, hi * 2
+    while hi - lo > step:
+        mid = (lo + hi) // 2 // step * step
+        if mid <= lo:
+            break
+        if estimate(seq_length=mid, **kw)["total_bytes"] <= budget_bytes:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num-layers", type=int, required=True)
+    p.add_argument("--hidden-size", type=int, required=True)
+    p.add_argument("--num-attention-heads", type=int, required=True)
+    p.add_argument("--num-query-groups", type=int)
+    p.add_argument("--ffn-hidden-size", type=int)
+    p.add_argument("--vocab-size", type=int, default=50304)
+    p.add_argument("--seq-length", type=int, default=4096)
+    p.add_argument("--micro-batch-size", type=int, default=1)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--ulysses", type=int, default=1)
+    p.add_argument("--cp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--swiglu", action="store_true")
+    p.add_argument("--recompute", choices=["full"], default=None)
+    p.add_argument("--budget-gb", type=float)
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    kw = dict(num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
+              num_query_groups=a.num_query_groups, ffn_hidden_size=a.ffn_hidden_size, vocab_size=a.vocab_size,
+              micro_batch_size=a.micro_batch_size, tp=a.tp, cp=a.cp, pp=a.pp, bf16=a.bf16,
+              recompute=a.recompute, swiglu=a.swiglu)
+    est = estimate(seq_length=a.seq_length, ulysses=a.ulysses, **kw)
+    out = {"estimate": est}
+    if a.budget_gb:
+        out["longest_sequence"] = {
+            u: longest_sequence(a.budget_gb * 1e9, 2 * u * a.cp, ulysses=u, **kw)
+            for u in (1, 2, 4, 8, 16) if a.num_attention_heads // a.tp % u == 0
+        }
+    if a.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    gb = 1e9
+    print(f"per rank at seq {a.seq_length}, tp {a.tp} x ulysses {a.ulysses} x cp {a.cp} x pp {a.pp}:")
+    print(f"  weights {est['weights_bytes'] / gb:.2f} GB, grads {est['grads_bytes'] / gb:.2f} GB, "
+          f"Adam {est['optimizer_bytes'] / gb:.2f} GB, activations {est['activations_bytes'] / gb:.2f} GB "
+          f"-> {est['total_bytes'] / gb:.2f} GB")
+    print(f"  tokens per rank {est['tokens_per_rank']}; all-to-all sent per rank: "
+          f"{est['a2a_bytes_per_layer'] / 1e6:.1f} MB per layer, {est['a2a_bytes_per_step'] / gb:.2f} GB per micro-batch")
+    if a.budget_gb:
+        print(f"longest sequence in {a.budget_gb} GB per rank:")
+        for u, s in out["longest_sequence"].items():
+            print(f"  ulysses {u:2d}: {s:>10d} tokens" + ("" if s else "  (does not fit)"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
