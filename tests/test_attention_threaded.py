@@ -36,7 +36,7 @@ def make_inputs(seed, S, b, hq, hk, d, layout, dtype=torch.float32, mask=False, 
 
 
 def run_case(P, S, b, hq, hk, d, layout, causal, dtype=torch.float32, mask=False, bias=False,
-             backend="sdpa", scale=None):
+             backend="sdpa", scale=None, chunks=1):
     q, k, v, dout, m, bi = make_inputs(P * 1000 + hq * 10 + hk, S, b, hq, hk, d, layout, dtype, mask, bias)
     sd = 0 if layout == "sbhd" else 1
 
@@ -45,7 +45,7 @@ def run_case(P, S, b, hq, hk, d, layout, causal, dtype=torch.float32, mask=False
         qs, ks, vs = (t.chunk(world, dim=sd)[rank].clone().requires_grad_() for t in (q, k, v))
         out = ulysses_mcore.ulysses_attention(
             qs, ks, vs, group=group, causal=causal, layout=layout, backend=backend,
-            softmax_scale=scale, attention_mask=m, attention_bias=bi,
+            softmax_scale=scale, attention_mask=m, attention_bias=bi, overlap_chunks=chunks,
         )
         out.backward(dout.chunk(world, dim=sd)[rank])
         return out.detach(), qs.grad, ks.grad, vs.grad
@@ -145,8 +145,9 @@ def test_group_of_one_is_direct():
     assert rel_err(out, ref) < FP32_RTOL
 
 
-@pytest.mark.parametrize("P,hq,hk,layout", [(2, 4, 2, "sbhd"), (4, 8, 2, "sbhd"), (4, 8, 8, "bshd")])
-def test_load_balanced_token_order(P, hq, hk, layout):
+@pytest.mark.parametrize("P,hq,hk,layout,chunks", [(2, 4, 2, "sbhd", 1), (4, 8, 2, "sbhd", 1), (4, 8, 8, "bshd", 1),
+                                                   (4, 8, 8, "sbhd", 2)])
+def test_load_balanced_token_order(P, hq, hk, layout, chunks):
     """Megatron's dual-chunk shard: rank r holds chunks r and 2P-1-r; results equal full attention."""
     S, b, d = 16 * P, 2, 8
     q, k, v, dout, m, _ = make_inputs(3, S, b, hq, hk, d, layout, mask=True)
@@ -159,7 +160,8 @@ def test_load_balanced_token_order(P, hq, hk, layout):
     def rank_fn(rank, world):
         qs, ks, vs = (lb_shard(t, rank, world).clone().requires_grad_() for t in (q, k, v))
         out = ulysses_mcore.ulysses_attention(qs, ks, vs, group=dist.group.WORLD, causal=True, layout=layout,
-                                              attention_mask=m, token_order="load_balanced")
+                                              attention_mask=m, token_order="load_balanced",
+                                              overlap_chunks=chunks)
         out.backward(lb_shard(dout, rank, world))
         return out.detach(), qs.grad, ks.grad, vs.grad
 
@@ -170,3 +172,37 @@ def test_load_balanced_token_order(P, hq, hk, layout):
     for i, want in enumerate((ref.detach(), qr.grad, kr.grad, vr.grad)):
         for r in range(P):
             assert rel_err(res[r][i], lb_shard(want, r, P)) < FP32_RTOL
+
+
+@pytest.mark.parametrize("P,hq,hk,layout,chunks,mask", [
+    (2, 8, 8, "sbhd", 2, False), (2, 8, 8, "sbhd", 4, True), (2, 8, 4, "bshd", 2, True),
+    (4, 16, 8, "sbhd", 2, False), (2, 8, 4, "sbhd", 2, False),
+])
+def test_overlapped_chunks_match_reference(P, hq, hk, layout, chunks, mask):
+    errs = run_case(P, 8 * P, 2, hq, hk, 8, layout, True, mask=mask, bias=mask, chunks=chunks)
+    assert max(errs) < FP32_RTOL, errs
+
+
+def test_overlap_collective_count_and_rejection():
+    q, k, v, dout, _, _ = make_inputs(5, 16, 1, 8, 8, 8, "sbhd")
+
+    def rank_fn(rank, world):
+        qs, ks, vs = (t.chunk(world)[rank].clone().requires_grad_() for t in (q, k, v))
+        a0 = comm.COLLECTIVE_CALLS["all_to_all_single"]
+        dist.barrier()
+        out = ulysses_mcore.ulysses_attention(qs, ks, vs, group=dist.group.WORLD, causal=True, overlap_chunks=4)
+        dist.barrier()
+        a1 = comm.COLLECTIVE_CALLS["all_to_all_single"]
+        dist.barrier()
+        out.backward(dout.chunk(world)[rank])
+        dist.barrier()
+        return a1 - a0, comm.COLLECTIVE_CALLS["all_to_all_single"] - a1
+
+    fwd, bwd = run_threaded(2, rank_fn)[0]
+    assert (fwd / 2, bwd / 2) == (8, 8)  # 2 x chunks each way (counters shared by the 2 threads)
+    from tests.helpers import run_threaded_errors
+
+    q2, k2, v2, _, _, _ = make_inputs(6, 16, 1, 8, 2, 8, "sbhd")
+    errs = run_threaded_errors(4, lambda r, w: ulysses_mcore.ulysses_attention(
+        q2.chunk(w)[r], k2.chunk(w)[r], v2.chunk(w)[r], group=dist.group.WORLD, causal=True, overlap_chunks=2))
+    assert all(isinstance(e, ValueError) and "overlap_chunks=2" in str(e) for e in errs), errs

@@ -103,6 +103,7 @@ def _worker(rank, world, port, args, queue):
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     group = dist.group.WORLD
     H, D, P = args.heads, args.head_dim, world
+    chunk_list = [int(c) for c in args.chunks.split(",")]
     results = []
     for kname in args.kernel.split(","):
         kernel = KERNELS[kname]
@@ -119,6 +120,9 @@ def _worker(rank, world, port, args, queue):
                 elif impl == "ulysses_nocheck":
                     out = ulysses_mcore.ulysses_attention(qs, ks, vs, group=group, causal=True, backend=kernel,
                                                           check=False)
+                elif impl.startswith("ulysses_c"):
+                    out = ulysses_mcore.ulysses_attention(qs, ks, vs, group=group, causal=True, backend=kernel,
+                                                          overlap_chunks=int(impl[len("ulysses_c"):]))
                 elif impl == "deepspeed":
                     out = ds(qs, ks, vs, 1)
                 else:
@@ -144,6 +148,7 @@ def _worker(rank, world, port, args, queue):
                     kernel(a, b, c, causal=True).backward(kd)
 
             impls = ["ulysses_mcore", "ulysses_nocheck", "deepspeed"] + (["allgather"] if kname == "sdpa" else [])
+            impls += [f"ulysses_c{c}" for c in chunk_list if c > 1 and (H // P) % c == 0]
             tasks = {i: (lambda i=i: run(i)) for i in impls}
             tasks["a2a"] = bare_a2a
             tasks["kernel"] = local_kernel
@@ -169,6 +174,8 @@ def _worker(rank, world, port, args, queue):
                 "a2a_bandwidth_GBps": exchanged / med["a2a"] / 1e9,
                 "ulysses_bandwidth_GBps": exchanged / max(med["ulysses_mcore"] - med["kernel"], 1e-9) / 1e9,
             }
+            row["overlap_ms"] = {1: row["ulysses_mcore_ms"], **{int(n[len("ulysses_c"):]): med[n] * 1e3
+                                                                  for n in med if n.startswith("ulysses_c")}}
             row["ulysses_over_deepspeed"] = row["ulysses_mcore_ms"] / row["deepspeed_ms"]
             row["ulysses_over_floor"] = row["ulysses_mcore_ms"] / row["floor_ms"]
             row["deepspeed_over_floor"] = row["deepspeed_ms"] / row["floor_ms"]
@@ -201,6 +208,15 @@ def write_outputs(results, out_dir, world, note):
             f"{r['deepspeed_ms']:.1f} | {ag} | {r['floor_ms']:.1f} ({r['a2a_ms']:.1f} + {r['kernel_ms']:.1f}) | "
             f"**{r['ulysses_over_deepspeed']:.2f}** | **{r['ulysses_over_floor']:.2f}** | {r['deepspeed_over_floor']:.2f} | "
             f"{r['bytes_exchanged_per_rank'] / 1e6:.1f} | {r['a2a_bandwidth_GBps']:.2f} |")
+    chunk_keys = sorted({c for r in results for c in r.get("overlap_ms", {})})
+    if len(chunk_keys) > 1:
+        lines += ["", "Overlap (head chunks pipelined with async all-to-alls), fwd+bwd ms and gain vs 1 chunk:", "",
+                  "| kernel | seq | " + " | ".join(f"{c} chunk{'s' if c > 1 else ''}" for c in chunk_keys) + " |",
+                  "|---|---|" + "---|" * len(chunk_keys)]
+        for r in results:
+            o = {int(k): v for k, v in r["overlap_ms"].items()}
+            cells = [f"{o[c]:.1f} ({o[1] / o[c]:.2f}x)" if c in o else "-" for c in chunk_keys]
+            lines.append(f"| {r['kernel']} | {r['seq']} | " + " | ".join(cells) + " |")
     with open(base + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     try:
@@ -241,6 +257,7 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--chunks", default="1,2,4", help="overlap chunk counts to measure")
     p.add_argument("--out", default="docs/perf")
     a = p.parse_args(argv)
     import socket

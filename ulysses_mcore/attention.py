@@ -19,13 +19,6 @@ from .backends import Kernel, resolve
 from .comm import HeadPlan, head_plan_error, head_to_seq, seq_to_head
 
 
-def _local_heads(t: Optional[torch.Tensor], rank: int, per_rank: int, total: int):
-    """Slice this rank's heads out of a mask / bias whose dim 1 is heads (or 1: broadcast)."""
-    if t is None or t.shape[1] == 1 or per_rank == total:
-        return t
-    return t[:, rank * per_rank : (rank + 1) * per_rank]
-
-
 def load_balanced_permutation(degree: int) -> List[int]:
     """Megatron's dual-chunk order: the sequence is cut into ``2P`` chunks and rank ``r``
     holds chunks ``r`` and ``2P-1-r``.  Entry ``p`` is the natural chunk at position ``p``
@@ -54,6 +47,7 @@ def ulysses_attention(
     dropout_p: float = 0.0,
     check: bool = True,
     token_order: str = "contiguous",
+    overlap_chunks: int = 1,
 ) -> torch.Tensor:
     """Exact attention over a sequence whose tokens are sharded contiguously over ``group``.
 
@@ -73,6 +67,10 @@ def ulysses_attention(
     instead: rank ``r`` holds chunks ``r`` and ``2P-1-r`` of ``2P`` equal chunks; masks
     still cover the full sequence in natural order.
 
+    ``overlap_chunks=C > 1`` cuts this rank's heads into ``C`` chunks and pipelines each
+    chunk's (asynchronous) all-to-alls with the other chunks' attention, forward and
+    backward (:mod:`ulysses_mcore.overlap`); ``2C`` all-to-alls each way.
+
     Collectives: forward 2 all_to_all_single (+1 tiny all_gather when ``check``),
     backward 2 all_to_all_single.  ``group=None`` or a group of size 1 runs the kernel
     directly with no collective.
@@ -81,6 +79,7 @@ def ulysses_attention(
     vec = checks.describe(
         query, key, value, layout=layout, backend=backend, causal=causal,
         attention_mask=attention_mask, attention_bias=attention_bias, token_order=token_order,
+        overlap_chunks=overlap_chunks,
     )
     vectors = checks.gather(vec, group) if (check and degree > 1) else [vec] * degree
     problem = checks.find_problem(vectors)
@@ -99,18 +98,33 @@ def ulysses_attention(
 
     plan = HeadPlan(query.shape[2], key.shape[2], degree)
     rank = dist.get_rank(group)
-    q, k, v = seq_to_head(query, key, value, group, plan, layout)
-    for name in ("attention_mask", "attention_bias"):
-        if name in kw:
-            kw[name] = _local_heads(kw[name], rank, plan.q_per_rank, plan.num_q_heads)
     seq_dim = 0 if layout == "sbhd" else 1
-    if token_order == "load_balanced":
-        perm = load_balanced_permutation(degree)
-        inv = sorted(range(len(perm)), key=perm.__getitem__)
-        q, k, v = (_reorder_chunks(t, inv, seq_dim) for t in (q, k, v))  # received -> natural
-    out = kernel(q, k, v, **kw)
-    if token_order == "load_balanced":
-        out = _reorder_chunks(out, perm, seq_dim)  # natural -> chunks by destination rank
+    perm = load_balanced_permutation(degree) if token_order == "load_balanced" else None
+    inv = sorted(range(len(perm)), key=perm.__getitem__) if perm else None
+
+    def run_kernel(q, k, v, first_head, num_heads):
+        kwc = dict(kw)
+        for name in ("attention_mask", "attention_bias"):
+            t = kwc.get(name)
+            if t is not None and t.shape[1] != 1:
+                kwc[name] = t[:, first_head : first_head + num_heads]
+        if perm:
+            q, k, v = (_reorder_chunks(t, inv, seq_dim) for t in (q, k, v))  # received -> natural
+        out = kernel(q, k, v, **kwc)
+        if perm:
+            out = _reorder_chunks(out, perm, seq_dim)  # natural -> chunks by destination rank
+        return out
+
+    if overlap_chunks > 1:
+        from .overlap import OverlappedUlysses
+
+        qc = plan.q_per_rank // overlap_chunks
+        return OverlappedUlysses.apply(
+            query, key, value, group, plan, layout, overlap_chunks,
+            lambda q, k, v, c: run_kernel(q, k, v, rank * plan.q_per_rank + c * qc, qc),
+        )
+    q, k, v = seq_to_head(query, key, value, group, plan, layout)
+    out = run_kernel(q, k, v, rank * plan.q_per_rank, plan.q_per_rank)
     return head_to_seq(out, group, degree, layout)
 
 

@@ -51,7 +51,7 @@ TOKEN_ORDERS = ("contiguous", "load_balanced")
 
 
 def describe(query, key, value, *, layout, backend, causal, attention_mask=None, attention_bias=None,
-             token_order="contiguous"):
+             token_order="contiguous", overlap_chunks=1):
     """This rank's inputs as integers (see module docstring)."""
     vec: List[int] = []
     for t in (query, key, value):
@@ -71,6 +71,7 @@ def describe(query, key, value, *, layout, backend, causal, attention_mask=None,
     vec += _encode_name(backend if isinstance(backend, str) else "callable")
     vec.append(int(bool(causal)))
     vec.append(_code(token_order, list(TOKEN_ORDERS)))
+    vec.append(int(overlap_chunks))
     return vec
 
 
@@ -103,6 +104,7 @@ def _unpack(vec):
     d["backend"] = _decode_name([next(it) for _ in range(_NAME)])
     d["causal"] = next(it)
     d["token_order"] = next(it)
+    d["overlap_chunks"] = next(it)
     return d
 
 
@@ -154,6 +156,13 @@ def _rank_problem(d, rank: int, degree: int) -> Optional[str]:
     err = head_plan_error(q["shape"][2], k["shape"][2], degree)
     if err:
         return f"{err} ({where}; heads are dim 2 of [{','.join(layout)}])"
+    if degree > 1:
+        from .comm import HeadPlan
+        from .overlap import overlap_error
+
+        err = overlap_error(HeadPlan(q["shape"][2], k["shape"][2], degree), d["overlap_chunks"])
+        if err:
+            return f"{err} ({where})"
     seq = q["shape"][sdim] * degree
     for n in ("mask", "bias"):
         shp = d[n]
@@ -190,6 +199,7 @@ def find_problem(vectors: Sequence[Sequence[int]]) -> Optional[str]:
         ("dtype", lambda d: _dt(d["query"]["dtype"])),
         ("causal", lambda d: bool(d["causal"])),
         ("token_order", lambda d: TOKEN_ORDERS[d["token_order"]]),
+        ("overlap_chunks", lambda d: d["overlap_chunks"]),
         ("attention_mask shape", lambda d: d["mask"]),
         ("backend", lambda d: d["backend"]),
     ]
