@@ -68,10 +68,12 @@ def estimate(*, num_layers, hidden_size, num_attention_heads, num_query_groups=N
         + fc1_out                  # activation input
         + ffn / tp                 # linear_fc2 input
     )
-    if recompute == "full":
-        layer = h_tp
+    if recompute == "full":  # layer inputs kept; one layer's activations live again during its backward
+        layer_full, layer = layer, h_tp
+    else:
+        layer_full = 0.0
     head = (hidden_size + 2) + hidden_size + vocab_size / tp  # final norm, output-layer input, softmax
-    act_bytes = act * s_local * b * (L * layer) + 4 * s_local * b * head
+    act_bytes = act * s_local * b * (L * layer + layer_full) + 4 * s_local * b * head
     # ---- all-to-all bytes per rank
     P = ulysses
     q_heads_rank, kv_rank = hq // max(P, 1), max(hk // max(P, 1), 1)
@@ -124,13 +126,15 @@ def main(argv=None):
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--swiglu", action="store_true")
     p.add_argument("--recompute", choices=["full"], default=None)
+    p.add_argument("--use-distributed-optimizer", action="store_true")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel size (for the distributed optimizer)")
     p.add_argument("--budget-gb", type=float)
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     kw = dict(num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
               num_query_groups=a.num_query_groups, ffn_hidden_size=a.ffn_hidden_size, vocab_size=a.vocab_size,
               micro_batch_size=a.micro_batch_size, tp=a.tp, cp=a.cp, pp=a.pp, bf16=a.bf16,
-              recompute=a.recompute, swiglu=a.swiglu)
+              recompute=a.recompute, swiglu=a.swiglu, distributed_optimizer=a.use_distributed_optimizer, dp=a.dp)
     est = estimate(seq_length=a.seq_length, ulysses=a.ulysses, **kw)
     out = {"estimate": est}
     if a.budget_gb:
