@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--context-parallel-size", type=int, default=1)
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                   help="collective timeout: a dead peer fails the others within it")
     g = p.add_argument_group("model")
     g.add_argument("--num-layers", type=int, default=2)
     g.add_argument("--hidden-size", type=int, default=64)
@@ -63,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--on-nan", choices=["stop", "skip"], default="stop",
+                   help="NaN/Inf in loss or gradients: stop the run, or skip that update")
     g = p.add_argument_group("data")
     g.add_argument("--data-path", default=None, help="prefix of a .bin/.idx indexed dataset")
     g.add_argument("--split", default="98,2,0")
@@ -116,32 +120,77 @@ def validate(args, world_size: int):
     return topo
 
 
+# ------------------------------------------------------------------------ fault injection (tests)
+def _faults():
+    """ULYSSES_MCORE_FAULT="kind@iteration:rank,...": test hooks for the reliability tests
+    (kill: SIGKILL this rank at the start of that iteration; kill_in_save: after writing the
+    shards, before the checkpoint is published; nan: a NaN gradient after the backward)."""
+    out = []
+    for item in filter(None, os.environ.get("ULYSSES_MCORE_FAULT", "").split(",")):
+        kind, rest = item.split("@")
+        it, rank = rest.split(":")
+        out.append((kind, int(it), int(rank)))
+    return out
+
+
+def _fault(kind, iteration):
+    for k, it, rank in _faults():
+        if k == kind and it == iteration and dist.get_rank() == rank:
+            if kind in ("kill", "kill_in_save"):
+                import signal
+
+                print(f"[fault injection] rank {rank} killed at iteration {iteration} ({kind})", file=sys.stderr,
+                      flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            return True
+    return False
+
+
 # ------------------------------------------------------------------------ checkpoints
 def _latest_file(d):
     return os.path.join(d, "latest_checkpointed_iteration.txt")
 
 
+MODEL_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+               "position_embedding_type", "make_vocab_size_divisible_by", "tokenizer_type")
+
+
 def save_checkpoint(path, iteration, model, optimizer, scheduler, consumed_samples, args):
+    """Atomic: written into iter_N.tmp, renamed to iter_N when every rank is done, then
+    ``latest`` is replaced atomically -- a save killed half-way leaves the previous
+    checkpoint complete and marked latest."""
     from megatron.core import dist_checkpointing
 
-    ckpt = os.path.join(path, f"iter_{iteration:07d}")
+    final = os.path.join(path, f"iter_{iteration:07d}")
+    tmp = final + ".tmp"
     if dist.get_rank() == 0:
-        os.makedirs(ckpt, exist_ok=True)
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
     dist.barrier()
     model_sd = model.module.sharded_state_dict()
     state = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd)}
-    dist_checkpointing.save(state, ckpt)
+    dist_checkpointing.save(state, tmp)
     if dist.get_rank() == 0:
         torch.save({"iteration": iteration, "consumed_samples": consumed_samples,
-                    "scheduler": scheduler.state_dict(), "args": vars(args)}, os.path.join(ckpt, "train_state.pt"))
-        tmp = _latest_file(path) + ".tmp"
-        with open(tmp, "w") as f:
+                    "scheduler": scheduler.state_dict(), "args": vars(args)}, os.path.join(tmp, "train_state.pt"))
+    _fault("kill_in_save", iteration)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        import shutil
+
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        latest = _latest_file(path) + ".tmp"
+        with open(latest, "w") as f:
             f.write(str(iteration))
-        os.replace(tmp, _latest_file(path))  # atomic: 'latest' only ever names a complete checkpoint
+        os.replace(latest, _latest_file(path))
     dist.barrier()
 
 
-def load_checkpoint(path, model, optimizer, scheduler):
+def load_checkpoint(path, model, optimizer, scheduler, args):
     from megatron.core import dist_checkpointing
 
     if not os.path.exists(_latest_file(path)):
@@ -149,12 +198,20 @@ def load_checkpoint(path, model, optimizer, scheduler):
     with open(_latest_file(path)) as f:
         iteration = int(f.read().strip())
     ckpt = os.path.join(path, f"iter_{iteration:07d}")
+    if not os.path.exists(os.path.join(ckpt, "train_state.pt")):
+        raise ValueError(f"--load {path}: latest names iteration {iteration} but {ckpt} is incomplete or missing")
+    extra = torch.load(os.path.join(ckpt, "train_state.pt"), weights_only=False)
+    saved = extra.get("args", {})
+    diff = [f"--{k.replace('_', '-')} {saved.get(k)} (checkpoint) vs {getattr(args, k)} (now)"
+            for k in MODEL_FLAGS if k in saved and saved.get(k) != getattr(args, k)]
+    if diff:
+        raise ValueError(f"--load {path}: the checkpoint is from an incompatible model: " + "; ".join(diff)
+                         + ". Use the checkpoint's model flags (parallel degrees may change freely)")
     model_sd = model.module.sharded_state_dict()
     opt_sd = optimizer.sharded_state_dict(model_sd, is_loading=True)  # creates the Adam moments to fill
     state = dist_checkpointing.load({"model": model_sd, "optimizer": opt_sd}, ckpt)
     model.module.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
-    extra = torch.load(os.path.join(ckpt, "train_state.pt"), weights_only=False)
     scheduler.load_state_dict(extra["scheduler"])
     return extra["iteration"], extra["consumed_samples"]
 
@@ -179,9 +236,17 @@ def main(argv=None):
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     if "RANK" not in os.environ:  # plain `python examples/pretrain_gpt.py`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29533"))
-    dist.init_process_group("nccl" if use_cuda else "gloo")
+    from datetime import timedelta
+
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(minutes=args.distributed_timeout_minutes))
     try:
         return train(args, topo, use_cuda)
+    except (ValueError, FileNotFoundError) as e:  # raised alike on every rank (data, checkpoint checks)
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except FloatingPointError as e:  # NaN/Inf with --on-nan stop: every rank raises it at the same iteration
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 3
     finally:
         from ulysses_mcore.megatron import groups
 
@@ -201,6 +266,7 @@ def train(args, topo, use_cuda):
     from ulysses_mcore.megatron.specs import get_ulysses_layer_spec
 
     ulysses_mcore.initialize(tp=topo.tp, ulysses=topo.ulysses, cp=topo.cp, pp=topo.pp,
+                             distributed_timeout_minutes=max(1, int(math.ceil(args.distributed_timeout_minutes))),
                              num_attention_heads=args.num_attention_heads,
                              num_query_groups=args.num_query_groups, seq_length=args.seq_length)
     torch.manual_seed(args.seed)
@@ -258,7 +324,7 @@ def train(args, topo, use_cuda):
     )
     iteration, consumed = 0, 0
     if args.load:
-        iteration, consumed = load_checkpoint(args.load, model, optimizer, scheduler)
+        iteration, consumed = load_checkpoint(args.load, model, optimizer, scheduler, args)
         if rank == 0:
             print(f"[ulysses-mcore] resumed from {args.load} at iteration {iteration} "
                   f"({consumed} samples consumed)", flush=True)
@@ -286,13 +352,20 @@ def train(args, topo, use_cuda):
         t0 = time.perf_counter()
         mbs = shard(sampler.microbatches(consumed))
         lr = optimizer.param_groups[0]["lr"]
+        _fault("kill", iteration + 1)
+
+        def nan_hook(mdl, it=iteration + 1):
+            if _fault("nan", it):
+                next(p for p in mdl.module.parameters()).main_grad.view(-1)[0] = float("nan")
+
         m = training.train_step(model, optimizer, mbs, seq_length=seq, micro_batch_size=args.micro_batch_size,
-                                scheduler=scheduler, increment=G)
+                                scheduler=scheduler, increment=G, iteration=iteration + 1,
+                                on_nonfinite=args.on_nan, fault_hook=nan_hook)
         iteration += 1
         consumed += G
         dt = time.perf_counter() - t0
-        if not math.isfinite(m["loss"]):
-            raise FloatingPointError(f"iteration {iteration}: lm loss is {m['loss']} on rank {rank}")
+        if m["skipped"] and is_logger:
+            print(f"[ulysses-mcore] {m['message']}: update skipped (--on-nan skip)", flush=True)
         peak = (torch.cuda.max_memory_allocated() if use_cuda
                 else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 1e9
         tps = G * seq / dt

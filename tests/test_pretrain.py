@@ -23,12 +23,34 @@ COMMON = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "
           "--lr-warmup-iters", "1", "--lr", "3e-3", "--seed", "7"]
 
 
+class Result:
+    def __init__(self, returncode, stdout, stderr):
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
 def launch(nproc, args, log_dir, timeout=300):
+    """torchrun in its own session, output to files; the whole session is killed afterwards, so
+    helpers a killed rank leaves behind (dist_checkpointing's writer queue manager) cannot linger."""
+    import signal
+    import tempfile
+
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     cmd = [torchrun, "--nproc-per-node", str(nproc), "--master-port", str(free_port()), SCRIPT, *args,
            "--log-dir", str(log_dir)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=str(log_dir))
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=str(log_dir), start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+        out.seek(0)
+        err.seek(0)
+        return Result(rc, out.read(), err.read())
 
 
 def losses(log_dir):

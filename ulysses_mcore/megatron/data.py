@@ -90,18 +90,37 @@ def write_indexed_dataset(docs: Iterable[str], output_prefix: str, tokenizer=Non
     return {"documents": n_docs, "tokens": n_tokens, "prefix": output_prefix}
 
 
+def check_indexed_dataset(prefix: str) -> int:
+    """Raise a clear error for a missing, corrupt or truncated ``.bin/.idx`` pair; return tokens."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    fix = f"re-create it with python tools/preprocess_data.py --input FILE --output-prefix {prefix}"
+    for ext in (".bin", ".idx"):
+        if not os.path.exists(prefix + ext):
+            raise FileNotFoundError(f"--data-path {prefix}: {prefix + ext} is missing; {fix}")
+    try:
+        ds = IndexedDataset(prefix, mmap=False)
+        lengths = ds.index.sequence_lengths
+        pointers = ds.index.sequence_pointers
+        itemsize = np.dtype(ds.index.dtype).itemsize
+    except Exception as e:  # a corrupt index: bad magic, version or sizes
+        raise ValueError(f"--data-path {prefix}: {prefix}.idx is not a valid Megatron index ({type(e).__name__}: {e}); {fix}") from None
+    if len(lengths) == 0:
+        raise ValueError(f"--data-path {prefix}: the dataset holds no documents; {fix}")
+    need = int(pointers[-1]) + int(lengths[-1]) * itemsize
+    have = os.path.getsize(prefix + ".bin")
+    if have < need:
+        raise ValueError(f"--data-path {prefix}: {prefix}.bin is truncated ({have} bytes, the index needs {need}); {fix}")
+    return int(np.sum(lengths))
+
+
 def build_gpt_datasets(prefix: str, *, seq_length: int, seed: int, split: str, samples, tokenizer=None,
                        cache_dir: Optional[str] = None):
     """(train, valid, test) GPTDatasets over one indexed dataset, via BlendedMegatronDatasetBuilder."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
-    for ext in (".bin", ".idx"):
-        if not os.path.exists(prefix + ext):
-            raise FileNotFoundError(
-                f"--data-path {prefix}: {prefix + ext} is missing; make it with "
-                f"python tools/preprocess_data.py --input FILE --output-prefix {prefix}"
-            )
+    check_indexed_dataset(prefix)
     cfg = GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,

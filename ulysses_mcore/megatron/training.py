@@ -111,20 +111,65 @@ def forward_backward(model, microbatches: List[Dict[str, torch.Tensor]], *, seq_
     )
 
 
-def train_step(model, optimizer, microbatches, *, seq_length: int, micro_batch_size: int,
-               scheduler=None, increment: int = 0) -> Dict[str, float]:
-    """One optimizer step; returns the global token-weighted loss (on every rank), grad norm."""
-    from megatron.core import parallel_state as ps
+class NonFiniteError(FloatingPointError):
+    """NaN or Inf in the loss or the gradients (raised on every rank alike)."""
 
+
+def _nonfinite_report(model, loss: float, iteration):
+    """(bad?, message): all-reduced over the world so every rank agrees and names the first bad rank."""
+    import math
+
+    import torch.distributed as dist
+
+    local_bad = not math.isfinite(loss)
+    what = "loss" if local_bad else ""
+    if not local_bad:
+        for name, p in model.module.named_parameters():
+            g = getattr(p, "main_grad", None)
+            if g is not None and not torch.isfinite(g).all():
+                local_bad, what = True, f"gradient of {name}"
+                break
+    rank = dist.get_rank()
+    dev = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    # encode (bad, -rank) so MAX picks the lowest bad rank
+    flag = torch.tensor([1.0 if local_bad else 0.0, -float(rank) if local_bad else -1e9], device=dev,
+                        dtype=torch.float64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag[0].item() == 0:
+        return False, ""
+    first = int(-flag[1].item())
+    where = f"; on this rank: {what}" if local_bad else ""
+    return True, f"iteration {iteration}: NaN/Inf in the loss or gradients, first on rank {first}{where}"
+
+
+def train_step(model, optimizer, microbatches, *, seq_length: int, micro_batch_size: int,
+               scheduler=None, increment: int = 0, iteration=None, on_nonfinite: str = "stop",
+               fault_hook=None) -> Dict[str, float]:
+    """One optimizer step; returns the global token-weighted loss (on every rank), grad norm.
+
+    Before the optimizer steps, every rank checks its loss and gradients for NaN/Inf and
+    the world agrees (one all-reduce of two numbers): ``on_nonfinite="stop"`` raises
+    :class:`NonFiniteError` on every rank, ``"skip"`` skips this update (Megatron-LM's
+    behaviour for a bad step) and reports it."""
     model.zero_grad_buffer()
     optimizer.zero_grad()
     reports = forward_backward(model, microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size)
+    if fault_hook is not None:
+        fault_hook(model)
+    loss, count = _loss_on_all_ranks(reports)
+    bad, message = _nonfinite_report(model, loss, iteration)
+    if bad:
+        if on_nonfinite == "stop":
+            raise NonFiniteError(message + " (stopping: --on-nan stop)")
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        return {"loss": loss, "tokens": count, "grad_norm": float("nan"), "update_successful": False,
+                "skipped": True, "message": message}
     ok, grad_norm, _ = optimizer.step()
     if scheduler is not None and ok:
         scheduler.step(increment=increment)
-    loss, count = _loss_on_all_ranks(reports)
     return {"loss": loss, "tokens": count, "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-            "update_successful": bool(ok)}
+            "update_successful": bool(ok), "skipped": False}
 
 
 def _loss_on_all_ranks(reports):
@@ -167,4 +212,4 @@ def global_layer_name(model, name: str) -> str:
 
 
 __all__ = ["gpt_config", "build_gpt", "build_optimizer", "forward_backward", "train_step", "evaluate",
-           "global_layer_name"]
+           "global_layer_name", "NonFiniteError"]

@@ -1,0 +1,97 @@
+"""Reliability of examples/pretrain_gpt.py: dead ranks, atomic checkpoints, resume, determinism, NaN guards."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.test_pretrain import COMMON, launch, losses
+
+pytestmark = pytest.mark.spawn
+SHORT = [a if a != "6" else "4" for a in COMMON]  # 4 iterations
+
+
+def launch_env(nproc, args, log_dir, fault, timeout=300):
+    old = os.environ.get("ULYSSES_MCORE_FAULT")
+    os.environ["ULYSSES_MCORE_FAULT"] = fault
+    try:
+        t0 = time.time()
+        r = launch(nproc, args, log_dir, timeout=timeout)
+        return r, time.time() - t0
+    finally:
+        if old is None:
+            os.environ.pop("ULYSSES_MCORE_FAULT", None)
+        else:
+            os.environ["ULYSSES_MCORE_FAULT"] = old
+
+
+def raw_losses(log_dir):
+    import csv
+
+    with open(os.path.join(log_dir, "metrics.csv")) as f:
+        return {int(r["iteration"]): r["lm_loss"] for r in csv.DictReader(f) if r["kind"] == "train"}
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    root = tmp_path_factory.mktemp("reliability")
+    runs = {}
+    for name in ("a", "b"):  # two identical runs: determinism, and the reference curve
+        d = root / name
+        d.mkdir()
+        r = launch(2, SHORT + ["--ulysses-degree", "2", "--save", str(d / "ckpt"), "--save-interval", "2"], d)
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs[name] = d
+    return root, runs
+
+
+def test_same_seed_gives_bitwise_identical_losses(base):
+    _, runs = base
+    a, b = raw_losses(runs["a"]), raw_losses(runs["b"])
+    assert a == b and len(a) == 4  # the CSV holds %.8e strings: identical text, identical floats
+
+
+def test_save_killed_half_way_keeps_the_previous_checkpoint_and_resume_continues(base):
+    root, runs = base
+    d = root / "killed"
+    d.mkdir()
+    ckpt = d / "ckpt"
+    r, _ = launch_env(2, SHORT + ["--ulysses-degree", "2", "--save", str(ckpt), "--save-interval", "2"], d,
+                      "kill_in_save@4:0")
+    assert r.returncode != 0
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2"
+    assert (ckpt / "iter_0000002" / "train_state.pt").exists()
+    assert not (ckpt / "iter_0000004").exists() and (ckpt / "iter_0000004.tmp").exists()
+    d2 = root / "resumed"
+    d2.mkdir()
+    r2 = launch(2, SHORT + ["--ulysses-degree", "2", "--load", str(ckpt)], d2)
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    assert "at iteration 2 (8 samples consumed)" in r2.stdout
+    full, resumed = losses(runs["a"]), losses(d2)
+    assert sorted(resumed) == [3, 4]
+    for it in resumed:  # same samples (data position restored) and same state: same losses
+        assert abs(resumed[it] - full[it]) <= 1e-6 * abs(full[it]), (it, resumed[it], full[it])
+
+
+def test_a_rank_killed_mid_step_fails_the_job_fast(tmp_path):
+    r, elapsed = launch_env(2, SHORT + ["--ulysses-degree", "2", "--distributed-timeout-minutes", "1"], tmp_path,
+                            "kill@3:1", timeout=180)
+    assert r.returncode != 0
+    assert "rank 1 killed at iteration 3" in r.stderr
+    assert elapsed < 90, elapsed  # the survivor fails on the broken connection, far inside the timeout
+
+
+@pytest.mark.parametrize("policy", ["stop", "skip"])
+def test_nan_in_gradients_is_reported_with_iteration_and_rank(tmp_path, policy):
+    r, _ = launch_env(2, SHORT + ["--ulysses-degree", "2", "--on-nan", policy], tmp_path, "nan@3:1")
+    text = r.stdout + r.stderr
+    assert "iteration 3: NaN/Inf in the loss or gradients, first on rank 1" in text
+    if policy == "stop":
+        assert r.returncode != 0 and "--on-nan stop" in r.stderr
+        assert sorted(losses(tmp_path)) == [1, 2]
+    else:
+        assert r.returncode == 0 and "update skipped" in r.stdout
+        assert sorted(losses(tmp_path)) == [1, 2, 3, 4]
