@@ -206,3 +206,32 @@ def test_overlap_collective_count_and_rejection():
     errs = run_threaded_errors(4, lambda r, w: ulysses_mcore.ulysses_attention(
         q2.chunk(w)[r], k2.chunk(w)[r], v2.chunk(w)[r], group=dist.group.WORLD, causal=True, overlap_chunks=2))
     assert all(isinstance(e, ValueError) and "overlap_chunks=2" in str(e) for e in errs), errs
+
+
+UNEVEN = [
+    # P, S, b, hq, hk, d, layout, causal, mask
+    (4, 32, 2, 7, 7, 8, "sbhd", True, False),     # 7 heads at P=4: 2, 2, 2, 1
+    (8, 32, 1, 20, 20, 8, "sbhd", True, True),    # 20 at P=8
+    (4, 32, 2, 28, 7, 8, "sbhd", True, True),     # GQA 28 q / 7 kv: groups straddle ranks
+    (4, 32, 2, 28, 7, 8, "bshd", False, False),
+    (3, 24, 2, 8, 2, 8, "sbhd", True, False),     # P=3
+    (4, 32, 1, 6, 1, 16, "bshd", True, False),    # MQA, 6 heads at P=4
+]
+
+
+@pytest.mark.parametrize("case", UNEVEN, ids=lambda c: "P{}_q{}kv{}_{}".format(c[0], c[3], c[4], c[6]))
+def test_uneven_heads_match_reference(case):
+    P, S, b, hq, hk, d, layout, causal, mask = case
+    assert comm.head_plan_error(hq, hk, P) is not None and comm.head_layout_error(hq, hk, P) is None
+    errs = run_case(P, S, b, hq, hk, d, layout, causal, mask=mask, bias=mask)
+    assert max(errs) < FP32_RTOL, errs
+
+
+def test_uneven_split_and_kv_sharing():
+    from ulysses_mcore.uneven import UnevenPlan
+
+    p = UnevenPlan(28, 7, 4)
+    assert [p.q_range(r) for r in range(4)] == [(0, 7), (7, 14), (14, 21), (21, 28)]
+    assert [p.kv_heads(r) for r in range(4)] == [[0, 1], [1, 2, 3], [3, 4, 5], [5, 6]]
+    assert p.kv_index_for_q(1) == [0, 1, 1, 1, 1, 2, 2]
+    assert [UnevenPlan(7, 7, 4).q_count(r) for r in range(4)] == [2, 2, 2, 1]

@@ -30,12 +30,12 @@ def bad_shard_len(rank, P):
     return dict(query=t(s), key=t(s), value=t(s))
 
 
-def bad_heads(rank, P):
-    return dict(query=t(S // P, h=6), key=t(S // P, h=6), value=t(S // P, h=6))
+def bad_heads(rank, P):  # fewer query heads than ranks (uneven heads need >= 1 per rank)
+    return dict(query=t(S // P, h=3), key=t(S // P, h=3), value=t(S // P, h=3))
 
 
-def bad_kv(rank, P):
-    return dict(query=t(S // P, h=12), key=t(S // P, h=3), value=t(S // P, h=3))
+def bad_kv(rank, P):  # 12 query heads cannot be grouped over 5 kv heads
+    return dict(query=t(S // P, h=12), key=t(S // P, h=5), value=t(S // P, h=5))
 
 
 def bad_dtype_rank0(rank, P):
@@ -84,8 +84,8 @@ def bad_mask(rank, P):
 CASES = {
     # name: (make inputs, extra kwargs per rank, substrings every message must contain)
     "shard lengths differ": (bad_shard_len, {}, ["tokens per rank", "[4, 5, 4, 4]", "pad"]),
-    "heads not divisible": (bad_heads, {}, ["ulysses degree 4", "6 query heads", "[1, 2, 3, 6]"]),
-    "kv heads incompatible": (bad_kv, {}, ["3 kv heads", "divide one another"]),
+    "fewer heads than ranks": (bad_heads, {}, ["ulysses degree 4", "larger than the 3 query heads", "degree <= 3"]),
+    "kv heads incompatible": (bad_kv, {}, ["query heads (12) must be a multiple of kv heads (5)"]),
     "dtype differs on rank 0": (bad_dtype_rank0, {}, ["one dtype", "rank 0", "float64", "cast"]),
     "device differs on rank 1": (bad_device_rank1, {}, ["one device", "rank 1", "meta"]),
     "batch differs": (bad_batch, {}, ["batch size", "2, 3, 3"]),

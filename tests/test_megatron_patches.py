@@ -21,7 +21,7 @@ def test_fold_args_turns_ulysses_into_context_parallelism():
 
 
 def test_fold_args_rejects_bad_degrees():
-    args = argparse.Namespace(ulysses_degree=3, context_parallel_size=1, num_attention_heads=16, num_query_groups=16,
+    args = argparse.Namespace(ulysses_degree=3, context_parallel_size=1, num_attention_heads=4, num_query_groups=4,
                               tensor_model_parallel_size=2, pipeline_model_parallel_size=1, seq_length=96)
     with pytest.raises(ValueError, match="--ulysses-degree 3"):
         megatron_patches.fold_args(args)

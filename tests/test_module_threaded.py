@@ -63,6 +63,11 @@ def test_module_matches_reference(mask_type, use_mask, use_bias):
     run_module(4, mask_type, use_mask, use_bias)
 
 
+def test_uneven_heads_in_the_module():
+    run_module(4, AttnMaskType.causal, heads=7, groups=7, S=16)
+    run_module(4, AttnMaskType.padding_causal, use_mask=True, heads=12, groups=3, S=16)
+
+
 def test_two_models_keep_their_own_heads():
     """Head counts are per instance (DeepSpeed #8291): two differently shaped modules in one process."""
     run_module(2, AttnMaskType.causal, heads=8, groups=8)
@@ -93,10 +98,10 @@ def test_dropout_applies_in_training_only():
 
 def test_construction_errors_name_the_flag():
     def rank_fn(rank, world):
-        UlyssesAttention(config(6, 6, hidden=48), 1, AttnMaskType.causal, ulysses_group=dist.group.WORLD)
+        UlyssesAttention(config(3, 3, hidden=48), 1, AttnMaskType.causal, ulysses_group=dist.group.WORLD)
 
     errs = run_threaded_errors(4, rank_fn)
-    assert all(isinstance(e, ValueError) and "--ulysses-degree 4" in str(e) and "--num-attention-heads 6" in str(e) for e in errs), errs
+    assert all(isinstance(e, ValueError) and "--ulysses-degree 4" in str(e) and "--num-attention-heads 3" in str(e) for e in errs), errs
 
     def packed(rank, world):
         mod = UlyssesAttention(config(4, 4, hidden=32), 1, AttnMaskType.causal, ulysses_group=dist.group.WORLD)

@@ -99,8 +99,8 @@ def test_bad_topologies(kwargs, needles):
 
 
 @pytest.mark.parametrize("topo,model,needles", [
-    (dict(world_size=8, tp=2, ulysses=3 * 0 + 4), dict(num_attention_heads=12), ["--ulysses-degree 4", "6 query"]),
-    (dict(world_size=8, tp=2, ulysses=2), dict(num_attention_heads=24, num_query_groups=6), ["3 kv heads", "divide one another"]),
+    (dict(world_size=8, tp=2, ulysses=4), dict(num_attention_heads=6), ["--ulysses-degree 4", "larger than the 3 query heads"]),
+    (dict(world_size=8, tp=2, ulysses=2), dict(num_attention_heads=20, num_query_groups=6), ["query heads (10) must be a multiple of kv heads (3)"]),
     (dict(world_size=8, tp=4), dict(num_attention_heads=6), ["--tensor-model-parallel-size 4"]),
     (dict(world_size=8, ulysses=2, cp=2), dict(num_attention_heads=8, seq_length=100), ["--seq-length 100", "= 8"]),
     (dict(world_size=8, ulysses=4), dict(num_attention_heads=8, seq_length=6, load_balanced=False), ["--seq-length 6", "= 4"]),
@@ -112,8 +112,10 @@ def test_model_checks(topo, model, needles):
         assert n in str(e.value), (n, str(e.value))
 
 
-def test_model_check_accepts_gqa_replication():
+def test_model_check_accepts_gqa_replication_and_uneven_heads():
     Topology(8, ulysses=8).check_model(num_attention_heads=32, num_query_groups=2, seq_length=8 * 2 * 64)
+    Topology(8, tp=2, ulysses=4).check_model(num_attention_heads=12)  # 6 heads per tp rank over 4: 2, 2, 1, 1
+    Topology(8, tp=2, ulysses=2).check_model(num_attention_heads=24, num_query_groups=6)  # 12 q / 3 kv
 
 
 def test_tools_topology_json_and_warnings(capsys):

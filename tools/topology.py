@@ -36,11 +36,20 @@ def plan(args) -> dict:
         topo.check_model(args.num_attention_heads, args.num_query_groups, args.seq_length)
         q = args.num_attention_heads // topo.tp
         kv = (args.num_query_groups or args.num_attention_heads) // topo.tp
-        hp = HeadPlan(q, kv, topo.ulysses)
+        from ulysses_mcore.comm import is_even
+        from ulysses_mcore.uneven import UnevenPlan
+
+        if is_even(q, kv, topo.ulysses):
+            hp = HeadPlan(q, kv, topo.ulysses)
+            qa, kva, rep = hp.q_per_rank, hp.kv_per_rank, hp.kv_replicas
+        else:  # uneven: per-rank counts
+            up = UnevenPlan(q, kv, topo.ulysses)
+            qa = [up.q_count(r) for r in range(topo.ulysses)]
+            kva = [len(up.kv_heads(r)) for r in range(topo.ulysses)]
+            rep = "shared at group boundaries"
         out["heads"] = {
             "query_heads_per_tp_rank": q, "kv_heads_per_tp_rank": kv,
-            "query_heads_in_attention": hp.q_per_rank, "kv_heads_in_attention": hp.kv_per_rank,
-            "kv_replicas": hp.kv_replicas,
+            "query_heads_in_attention": qa, "kv_heads_in_attention": kva, "kv_replicas": rep,
         }
     if args.seq_length:
         out["tokens"] = {

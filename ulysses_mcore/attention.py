@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from . import checks, state
 from .backends import Kernel, resolve
-from .comm import HeadPlan, head_plan_error, head_to_seq, seq_to_head
+from .comm import HeadPlan, head_layout_error, head_to_seq, is_even, seq_to_head
 
 
 def load_balanced_permutation(degree: int) -> List[int]:
@@ -96,7 +96,6 @@ def ulysses_attention(
     if degree == 1:
         return kernel(query, key, value, **kw)
 
-    plan = HeadPlan(query.shape[2], key.shape[2], degree)
     rank = dist.get_rank(group)
     seq_dim = 0 if layout == "sbhd" else 1
     perm = load_balanced_permutation(degree) if token_order == "load_balanced" else None
@@ -115,6 +114,16 @@ def ulysses_attention(
             out = _reorder_chunks(out, perm, seq_dim)  # natural -> chunks by destination rank
         return out
 
+    if not is_even(query.shape[2], key.shape[2], degree):
+        from .uneven import UnevenHeadToSeq, UnevenPlan, UnevenSeqToHead, expand_kv
+
+        uplan = UnevenPlan(query.shape[2], key.shape[2], degree)
+        q, k, v = UnevenSeqToHead.apply(query, key, value, group, uplan, layout)
+        k, v = expand_kv(k, uplan, rank), expand_kv(v, uplan, rank)  # one kv head per query head
+        lo, hi = uplan.q_range(rank)
+        out = run_kernel(q, k, v, lo, hi - lo)
+        return UnevenHeadToSeq.apply(out, group, uplan, layout)
+    plan = HeadPlan(query.shape[2], key.shape[2], degree)
     if overlap_chunks > 1:
         from .overlap import OverlappedUlysses
 
@@ -202,7 +211,7 @@ class UlyssesAttention(MegatronModule):
         self.num_q_heads = heads // tp
         self.num_kv_heads = groups // tp
         self.head_dim = config.kv_channels
-        err = head_plan_error(self.num_q_heads, self.num_kv_heads, self.degree)
+        err = head_layout_error(self.num_q_heads, self.num_kv_heads, self.degree)
         if err:
             raise ValueError(
                 f"--ulysses-degree {self.degree} does not fit the heads per tensor-parallel rank "

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .backends import BUILTIN_BACKENDS, backend_error
-from .comm import LAYOUTS, head_plan_error
+from .comm import LAYOUTS, head_layout_error, is_even
 
 _DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16,
@@ -153,14 +153,17 @@ def _rank_problem(d, rank: int, degree: int) -> Optional[str]:
     if d["token_order"] == 1 and q["shape"][sdim] % 2:
         return (f"token_order='load_balanced' holds 2 chunks per rank, so the tokens per rank must be "
                 f"even; {where} there are {q['shape'][sdim]}: make the sequence a multiple of {2 * degree}")
-    err = head_plan_error(q["shape"][2], k["shape"][2], degree)
+    err = head_layout_error(q["shape"][2], k["shape"][2], degree)
     if err:
         return f"{err} ({where}; heads are dim 2 of [{','.join(layout)}])"
     if degree > 1:
         from .comm import HeadPlan
         from .overlap import overlap_error
 
-        err = overlap_error(HeadPlan(q["shape"][2], k["shape"][2], degree), d["overlap_chunks"])
+        if is_even(q["shape"][2], k["shape"][2], degree):
+            err = overlap_error(HeadPlan(q["shape"][2], k["shape"][2], degree), d["overlap_chunks"])
+        elif d["overlap_chunks"] != 1:
+            err = f"overlap_chunks={d['overlap_chunks']} needs heads that divide evenly over the degree {degree}"
         if err:
             return f"{err} ({where})"
     seq = q["shape"][sdim] * degree

@@ -167,6 +167,23 @@ def _fresh(view: torch.Tensor, shape) -> torch.Tensor:
     return out.view(shape)
 
 
+def head_layout_error(num_q_heads: int, num_kv_heads: int, degree: int) -> Optional[str]:
+    """Why no Ulysses layout (even, or uneven: :mod:`ulysses_mcore.uneven`) fits, or ``None``."""
+    if head_plan_error(num_q_heads, num_kv_heads, degree) is None:
+        return None
+    if num_q_heads < 1 or num_kv_heads < 1 or num_q_heads % num_kv_heads:
+        return head_plan_error(num_q_heads, num_kv_heads, degree)
+    if num_q_heads < degree:
+        return (f"ulysses degree {degree} is larger than the {num_q_heads} query heads on this tensor-parallel "
+                f"rank: every rank needs at least one head; use a degree <= {num_q_heads} "
+                "(ring context parallelism covers larger degrees)")
+    return None  # uneven heads: per-rank split sizes
+
+
+def is_even(num_q_heads: int, num_kv_heads: int, degree: int) -> bool:
+    return head_plan_error(num_q_heads, num_kv_heads, degree) is None
+
+
 def _group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 

@@ -230,7 +230,7 @@ class Topology:
         load_balanced: Optional[bool] = None,
     ) -> None:
         """Raise :class:`TopologyError` if the model cannot be laid out on this topology."""
-        from .comm import head_plan_error
+        from .comm import head_layout_error
 
         groups = num_query_groups or num_attention_heads
         if num_attention_heads % self.tp or groups % self.tp:
@@ -239,7 +239,7 @@ class Topology:
                 f"{num_attention_heads} and --num-query-groups {groups}"
             )
         q, kv = num_attention_heads // self.tp, groups // self.tp
-        err = head_plan_error(q, kv, self.ulysses)
+        err = head_layout_error(q, kv, self.ulysses)
         if err:
             raise TopologyError(
                 f"--ulysses-degree {self.ulysses} does not fit {q} query / {kv} kv heads per "
