@@ -247,11 +247,21 @@ def main(argv=None):
     except FloatingPointError as e:  # NaN/Inf with --on-nan stop: every rank raises it at the same iteration
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 3
+    except RuntimeError as e:  # a collective failed: a peer died, hung past the timeout, or the network broke
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        print(f"error: rank {dist.get_rank()}: a collective failed at iteration {_PROGRESS['iteration'] + 1} -- "
+              f"a peer rank died or stopped responding within --distributed-timeout-minutes "
+              f"{args.distributed_timeout_minutes} ({type(e).__name__}: {first}). Check the other ranks' logs.",
+              file=sys.stderr, flush=True)
+        return 4
     finally:
         from ulysses_mcore.megatron import groups
 
         groups.destroy()
         dist.destroy_process_group()
+
+
+_PROGRESS = {"iteration": 0}
 
 
 def train(args, topo, use_cuda):
@@ -363,6 +373,7 @@ def train(args, topo, use_cuda):
                                 on_nonfinite=args.on_nan, fault_hook=nan_hook)
         iteration += 1
         consumed += G
+        _PROGRESS["iteration"] = iteration
         dt = time.perf_counter() - t0
         if m["skipped"] and is_logger:
             print(f"[ulysses-mcore] {m['message']}: update skipped (--on-nan skip)", flush=True)

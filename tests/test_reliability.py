@@ -84,6 +84,22 @@ def test_a_rank_killed_mid_step_fails_the_job_fast(tmp_path):
     assert elapsed < 90, elapsed  # the survivor fails on the broken connection, far inside the timeout
 
 
+def test_the_survivor_of_a_dead_peer_says_so_and_exits(tmp_path):
+    from tests.test_catalogue import run_ranks
+
+    os.environ["ULYSSES_MCORE_FAULT"] = "kill@3:1"
+    try:
+        t0 = time.time()
+        (rc0, _, err0), (rc1, _, _) = run_ranks(2, SHORT + ["--ulysses-degree", "2", "--distributed-timeout-minutes", "1",
+                                                          "--log-dir", str(tmp_path)], tmp_path, timeout=120)
+    finally:
+        os.environ.pop("ULYSSES_MCORE_FAULT", None)
+    assert rc1 == -signal.SIGKILL
+    assert rc0 == 4 and "error: rank 0: a collective failed at iteration 3" in err0, err0[-2000:]
+    assert "a peer rank died or stopped responding" in err0
+    assert time.time() - t0 < 90
+
+
 @pytest.mark.parametrize("policy", ["stop", "skip"])
 def test_nan_in_gradients_is_reported_with_iteration_and_rank(tmp_path, policy):
     r, _ = launch_env(2, SHORT + ["--ulysses-degree", "2", "--on-nan", policy], tmp_path, "nan@3:1")
