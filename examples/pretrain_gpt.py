@@ -352,7 +352,6 @@ def train(args, topo, use_cuda):
         if fresh:
             writer.writerow(["iteration", "consumed_samples", "lm_loss", "lr", "grad_norm", "ms_per_iter",
                              "tokens_per_second", "peak_memory_gb", "kind"])
-    cp = topo.context_parallel_size
     seq = args.seq_length
 
     def shard(mbs):
@@ -401,7 +400,6 @@ def train(args, topo, use_cuda):
             save_checkpoint(args.save, iteration, model, optimizer, scheduler, consumed, args)
     if args.save and not (args.save_interval and iteration % args.save_interval == 0):
         save_checkpoint(args.save, iteration, model, optimizer, scheduler, consumed, args)
-    del cp
     return 0
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 import os
 import socket
-import sys
 import threading
 import traceback
 from typing import Callable, List, Optional

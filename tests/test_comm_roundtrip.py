@@ -26,7 +26,6 @@ def test_seq_to_head_then_back_is_identity(shape):
     P, hq, hk, S, b, d, layout = shape
     plan = comm.HeadPlan(hq, hk, P)
     assert comm.head_plan_error(hq, hk, P) is None
-    sd = 0 if layout == "sbhd" else 1
     g = torch.Generator().manual_seed(hash(shape) % 2**31)
     mk = lambda h: torch.randn((S, b, h, d) if layout == "sbhd" else (b, S, h, d), generator=g)
     q, k, v = mk(hq), mk(hk), mk(hk)

@@ -28,7 +28,7 @@ CONFIGS = random_configs(300)
 
 
 def test_groups_equal_megatron_rank_generator():
-    from megatron.core.parallel_state import RankGenerator, create_hierarchical_groups  # noqa: F401
+    from megatron.core.parallel_state import RankGenerator
 
     checked = 0
     for c in CONFIGS:

@@ -120,7 +120,6 @@ def main(argv=None):
         r["plan_error"] = est["activations_bytes"] / r["activations_bytes"] - 1
         if r["seq"] in base1:
             r["reduction"] = base1[r["seq"]] / r["activations_bytes"]
-    fixed = rows[0]["weights_bytes"] + rows[0]["grads_bytes"]
     fits = {}
     for P in degrees:
         kw = dict(vocab_size=VOCAB, **MODEL)
@@ -163,7 +162,6 @@ def main(argv=None):
     except ImportError:
         pass
     print(open(base + ".md").read())
-    del fixed
     return 0
 
 

@@ -141,7 +141,7 @@ class UnevenSeqToHead(torch.autograd.Function):
 class UnevenHeadToSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out, group, plan: UnevenPlan, layout: str):
-        P, me = plan.degree, dist.get_rank(group)
+        P = plan.degree
         ctx.group, ctx.plan, ctx.layout = group, plan, layout
         send = comm._layout_as_chunks(out, layout, P)  # [P, A, B, nq_me, d]
         _, A, B, n_me, d = send.shape
@@ -161,9 +161,9 @@ class UnevenHeadToSeq(torch.autograd.Function):
         plan, layout, group = ctx.plan, ctx.layout, ctx.group
         P, me = plan.degree, dist.get_rank(group)
         A, B, _, d = g.shape
+        n_me = plan.q_count(me)
         counts = [plan.q_count(j) for j in range(P)]
         send = torch.cat([g[:, :, plan.q_range(j)[0]:plan.q_range(j)[1]].reshape(-1) for j in range(P)])
-        n_me = counts[me]
         recv = g.new_empty(P * A * B * n_me * d)
         comm.COLLECTIVE_CALLS["all_to_all_single"] += 1
         dist.all_to_all_single(recv, send, output_split_sizes=_sizes(A, B, d, [n_me] * P),

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
 import torch.distributed as dist
 
 from .. import state
@@ -211,4 +210,3 @@ __all__ = [
     "get_gradient_reduction_group", "get_sample_group", "get_embedding_group",
     "get_pg_collection", "ulysses_rank", "describe_local",
 ]
-del torch
