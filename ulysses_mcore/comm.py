@@ -31,8 +31,8 @@ with ``g = hq / hk``.  If ``hk % P == 0`` that is a scatter of ``hk/P`` heads; i
 ``P % hk == 0`` each rank needs exactly one KV head, shared by ``P/hk`` consecutive
 ranks: it is *replicated* into their chunks and the backward sums the replicas.
 
-The single-rank reference for both transforms is :func:`reference_seq_to_head` /
-:func:`reference_head_to_seq` below (pure tensor indexing, no collective).
+The single-rank reference of the exchange is :func:`reference_seq_to_head` below (pure
+tensor indexing, no collective); ``head_to_seq`` is tested as its exact inverse.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -151,9 +151,6 @@ class _BufferPool(threading.local):
 
     def clear(self):
         self.free_lists.clear()
-
-    def pooled_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for bufs in self.free_lists.values() for b in bufs)
 
 
 POOL = _BufferPool()
@@ -350,11 +347,3 @@ def shard_tokens(full: torch.Tensor, rank: int, degree: int, layout: str = "sbhd
     """Contiguous token shard ``rank`` of ``degree`` of a full-sequence tensor."""
     dim = 0 if layout == "sbhd" else 1
     return full.chunk(degree, dim=dim)[rank]
-
-
-def reference_head_to_seq(
-    per_rank_heads: Sequence[torch.Tensor], rank: int, layout: str = "sbhd"
-) -> torch.Tensor:
-    """Token shard ``rank`` of the head-concatenation of every rank's output."""
-    full = torch.cat(list(per_rank_heads), dim=2)
-    return shard_tokens(full, rank, len(per_rank_heads), layout)

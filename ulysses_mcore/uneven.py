@@ -57,16 +57,6 @@ class UnevenPlan:
         return [q // g - first_kv for q in range(lo, hi)]
 
 
-def uneven_error(num_q_heads: int, num_kv_heads: int, degree: int):
-    if num_q_heads < degree:
-        return (f"ulysses degree {degree} is larger than the {num_q_heads} query heads on this tensor-parallel "
-                f"rank: every rank needs at least one head; use a degree <= {num_q_heads} "
-                "(ring context parallelism covers larger degrees)")
-    if num_q_heads % num_kv_heads:
-        return f"query heads ({num_q_heads}) must be a multiple of kv heads ({num_kv_heads})"
-    return None
-
-
 def _sizes(A, B, d, counts):
     return [A * B * n * d for n in counts]
 
