@@ -48,6 +48,8 @@ def ulysses_attention(
     check: bool = True,
     token_order: str = "contiguous",
     overlap_chunks: int = 1,
+    ring_group=None,
+    cu_seqlens: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Exact attention over a sequence whose tokens are sharded contiguously over ``group``.
 
@@ -71,18 +73,46 @@ def ulysses_attention(
     chunk's (asynchronous) all-to-alls with the other chunks' attention, forward and
     backward (:mod:`ulysses_mcore.overlap`); ``2C`` all-to-alls each way.
 
-    Collectives: forward 2 all_to_all_single (+1 tiny all_gather when ``check``),
-    backward 2 all_to_all_single.  ``group=None`` or a group of size 1 runs the kernel
-    directly with no collective.
+    ``ring_group`` (size ``C > 1``): hybrid Ulysses x ring.  The sequence is sharded over
+    the ``P x C`` ranks (rank ``u`` of ``group`` and ``j`` of ``ring_group`` hold shard
+    ``u + P*j`` -- Megatron's hierarchical context parallelism, Ulysses inner); after the
+    all-to-all each rank holds ring shard ``j`` for its heads and ring attention
+    (:mod:`ulysses_mcore.ring`, or Transformer Engine's p2p ring with ``backend="te"``)
+    covers the rest.  ``token_order`` is then over the ``2PC`` (or ``PC``) chunks.
+
+    ``layout="thd"`` with ``cu_seqlens`` (int ``[n+1]``, the *global* document boundaries
+    of the packed stream, identical on every rank): ``query [t/P, hq, d]``, the packed
+    stream split evenly (documents may cross shard boundaries).  After the all-to-all the
+    global ``cu_seqlens`` apply; attention never crosses a document.
+
+    Collectives: forward 2 all_to_all_single (+1 tiny all_gather when ``check``; +1 more
+    with a ring), backward 2 all_to_all_single; a ring adds ``C-1`` shifts forward and
+    ``2C-1`` backward.  ``group=None`` or a group of size 1 runs the kernel directly.
     """
     degree = 1 if group is None else dist.get_world_size(group)
+    ring = 1 if ring_group is None else dist.get_world_size(ring_group)
+    thd = layout == "thd"
+    if thd:
+        if query.dim() != 3 or key.dim() != 3 or value.dim() != 3:
+            raise ValueError(
+                f"layout='thd' takes 3-D [t, h, d] query/key/value; got {query.dim()}-D, {key.dim()}-D, "
+                f"{value.dim()}-D (for [s, b, h, d] use layout='sbhd')"
+            )
+        query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+        layout = "sbhd"
     vec = checks.describe(
         query, key, value, layout=layout, backend=backend, causal=causal,
         attention_mask=attention_mask, attention_bias=attention_bias, token_order=token_order,
-        overlap_chunks=overlap_chunks,
+        overlap_chunks=overlap_chunks, ring=ring, dropout=dropout_p > 0,
+        bias_grad=attention_bias is not None and attention_bias.requires_grad,
+        cu_seqlens=cu_seqlens, thd=thd,
     )
-    vectors = checks.gather(vec, group) if (check and degree > 1) else [vec] * degree
-    problem = checks.find_problem(vectors)
+    vectors = [vec] * (degree * ring)
+    if check and degree > 1:
+        vectors = checks.gather(vec, group)
+    if check and ring > 1:  # every rank of the sample group sees every vector: same verdict everywhere
+        vectors = [v for block in checks.gather(sum(vectors, []), ring_group) for v in checks.split(block, degree)]
+    problem = checks.find_problem(vectors, degree=degree, ring=ring)
     if problem:
         raise ValueError(f"ulysses_attention: {problem}")
     kernel = resolve(backend)
@@ -93,8 +123,16 @@ def ulysses_attention(
         kw["attention_bias"] = attention_bias
     if dropout_p:
         kw["dropout_p"] = dropout_p
+    if cu_seqlens is not None:
+        kw["cu_seqlens"] = cu_seqlens
+    if ring > 1:
+        kernel = _ring_kernel(backend, ring_group, token_order)
+
+    def finish(out):
+        return out.squeeze(1) if thd else out
+
     if degree == 1:
-        return kernel(query, key, value, **kw)
+        return finish(kernel(query, key, value, **kw))
 
     rank = dist.get_rank(group)
     seq_dim = 0 if layout == "sbhd" else 1
@@ -122,19 +160,39 @@ def ulysses_attention(
         k, v = expand_kv(k, uplan, rank), expand_kv(v, uplan, rank)  # one kv head per query head
         lo, hi = uplan.q_range(rank)
         out = run_kernel(q, k, v, lo, hi - lo)
-        return UnevenHeadToSeq.apply(out, group, uplan, layout)
+        return finish(UnevenHeadToSeq.apply(out, group, uplan, layout))
     plan = HeadPlan(query.shape[2], key.shape[2], degree)
     if overlap_chunks > 1:
         from .overlap import OverlappedUlysses
 
         qc = plan.q_per_rank // overlap_chunks
-        return OverlappedUlysses.apply(
+        return finish(OverlappedUlysses.apply(
             query, key, value, group, plan, layout, overlap_chunks,
             lambda q, k, v, c: run_kernel(q, k, v, rank * plan.q_per_rank + c * qc, qc),
-        )
+        ))
     q, k, v = seq_to_head(query, key, value, group, plan, layout)
     out = run_kernel(q, k, v, rank * plan.q_per_rank, plan.q_per_rank)
-    return head_to_seq(out, group, degree, layout)
+    return finish(head_to_seq(out, group, degree, layout))
+
+
+def _ring_kernel(backend, ring_group, token_order: str) -> Kernel:
+    """The inner kernel when a ring follows the all-to-all: this rank's ring shard in, out."""
+    if backend == "te":
+        from .backends import te_attention
+
+        def te_ring(q, k, v, **kw):
+            return te_attention(q, k, v, ring_group=ring_group, **kw)
+
+        return te_ring
+    from .ring import ring_attention
+
+    def lse_ring(q, k, v, *, causal, softmax_scale=None, layout="sbhd", attention_mask=None,
+                 attention_bias=None, cu_seqlens=None):
+        return ring_attention(q, k, v, group=ring_group, causal=causal, softmax_scale=softmax_scale,
+                              layout=layout, token_order=token_order, attention_mask=attention_mask,
+                              attention_bias=attention_bias, cu_seqlens=cu_seqlens)
+
+    return lse_ring
 
 
 # ----------------------------------------------------------------------------------

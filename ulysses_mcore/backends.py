@@ -47,8 +47,14 @@ def sdpa_attention(
     attention_mask: Optional[torch.Tensor] = None,
     attention_bias: Optional[torch.Tensor] = None,
     dropout_p: float = 0.0,
+    cu_seqlens: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Scaled dot-product attention in ``layout``; zero-copy views in and out."""
+    """Scaled dot-product attention in ``layout``; zero-copy views in and out.
+
+    ``cu_seqlens`` (packed documents, ``sbhd`` with b = 1): one SDPA call per document, so
+    memory follows the longest document, never the whole stream squared."""
+    if cu_seqlens is not None:
+        return _sdpa_varlen(q, k, v, cu_seqlens, causal=causal, softmax_scale=softmax_scale, dropout_p=dropout_p)
     qb, kb, vb = (_to_bhsd(t, layout) for t in (q, k, v))
     mask = None
     if attention_mask is not None or attention_bias is not None:
@@ -79,8 +85,28 @@ def sdpa_attention(
     return _from_bhsd(out, layout)
 
 
+def _sdpa_varlen(q, k, v, cu_seqlens, *, causal, softmax_scale, dropout_p):
+    bounds = cu_seqlens.tolist()
+    outs = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        if hi > lo:
+            outs.append(sdpa_attention(q[lo:hi], k[lo:hi], v[lo:hi], causal=causal,
+                                       softmax_scale=softmax_scale, dropout_p=dropout_p))
+    return torch.cat(outs, dim=0)
+
+
 def flash_attention(q, k, v, *, causal, softmax_scale=None, layout="sbhd", dropout_p=0.0, **kw):
-    """flash-attn's ``flash_attn_func`` (bshd, GQA native)."""
+    """flash-attn's ``flash_attn_func`` (bshd, GQA native); ``flash_attn_varlen_func`` for
+    packed documents (``cu_seqlens``)."""
+    cu = kw.get("cu_seqlens")
+    if cu is not None:
+        from flash_attn import flash_attn_varlen_func
+
+        cu32 = cu.to(device=q.device, dtype=torch.int32)
+        maxlen = int((cu[1:] - cu[:-1]).max())
+        out = flash_attn_varlen_func(q[:, 0], k[:, 0], v[:, 0], cu32, cu32, maxlen, maxlen, dropout_p,
+                                     softmax_scale=softmax_scale, causal=causal)
+        return out.unsqueeze(1)
     if kw.get("attention_mask") is not None or kw.get("attention_bias") is not None:
         raise ValueError(
             "backend='flash' supports causal or no mask only; got an attention_mask or "
@@ -108,16 +134,23 @@ _TE_CACHE: dict = {}
 
 
 def te_attention(q, k, v, *, causal, softmax_scale=None, layout="sbhd", dropout_p=0.0, **kw):
-    """Transformer Engine ``DotProductAttention``, context parallelism off."""
+    """Transformer Engine ``DotProductAttention``: context parallelism off, or, with
+    ``ring_group``, TE's own p2p ring over it (the input is this rank's dual-chunk ring
+    shard, which is what TE's load-balanced context parallelism expects).  ``cu_seqlens``:
+    TE's ``thd`` format on the gathered stream."""
     import transformer_engine.pytorch as te
 
     mask, bias = kw.get("attention_mask"), kw.get("attention_bias")
+    ring, cu = kw.get("ring_group"), kw.get("cu_seqlens")
     hq, hk, d = q.shape[2], k.shape[2], q.shape[3]
-    if mask is not None:
+    if cu is not None:
+        mask_type = "padding_causal" if causal else "padding"
+    elif mask is not None:
         mask_type = "padding_causal" if causal else "arbitrary"
     else:
         mask_type = "causal" if causal else "no_mask"
-    key = (hq, hk, d, softmax_scale, layout, mask_type, dropout_p, q.device)
+    fmt = "thd" if cu is not None else layout
+    key = (hq, hk, d, softmax_scale, fmt, mask_type, dropout_p, q.device, ring)
     mod = _TE_CACHE.get(key)
     if mod is None:
         mod = te.DotProductAttention(
@@ -125,14 +158,24 @@ def te_attention(q, k, v, *, causal, softmax_scale=None, layout="sbhd", dropout_
             kv_channels=d,
             num_gqa_groups=hk,
             attention_dropout=dropout_p,
-            qkv_format=layout,
+            qkv_format=fmt,
             attn_mask_type=mask_type,
             softmax_scale=softmax_scale,
         )
+        if ring is not None:
+            import torch.distributed as dist
+
+            mod.set_context_parallel_group(ring, dist.get_process_group_ranks(ring), torch.cuda.Stream(), "p2p")
         _TE_CACHE[key] = mod
     extra = {}
     if bias is not None:
         extra = {"core_attention_bias_type": "post_scale_bias", "core_attention_bias": bias}
+    if cu is not None:
+        cu32 = cu.to(device=q.device, dtype=torch.int32)
+        maxlen = int((cu[1:] - cu[:-1]).max())
+        out = mod(q[:, 0], k[:, 0], v[:, 0], attn_mask_type=mask_type, cu_seqlens_q=cu32, cu_seqlens_kv=cu32,
+                  max_seqlen_q=maxlen, max_seqlen_kv=maxlen)
+        return out.view(q.shape[0], 1, hq, d)
     out = mod(q, k, v, attention_mask=mask, attn_mask_type=mask_type, **extra)
     return out.view(*q.shape[:2], hq, d)
 
@@ -178,7 +221,7 @@ def resolve(backend: Union[str, Kernel]) -> Kernel:
         user = backend
 
         def call_user(q, k, v, *, causal, softmax_scale=None, layout="sbhd", **kw):
-            if any(kw.get(n) is not None for n in ("attention_mask", "attention_bias")) or kw.get(
+            if any(kw.get(n) is not None for n in ("attention_mask", "attention_bias", "cu_seqlens")) or kw.get(
                 "dropout_p"
             ):
                 raise ValueError(

@@ -50,8 +50,22 @@ def _shape4(t: Optional[torch.Tensor]) -> List[int]:
 TOKEN_ORDERS = ("contiguous", "load_balanced")
 
 
+def _describe_cu(cu) -> List[int]:
+    """present, documents, total, first, nondecreasing, 1-D integer, checksum."""
+    if cu is None:
+        return [0] * 7
+    ok_kind = int(cu.dim() == 1 and not cu.is_floating_point() and cu.numel() >= 2)
+    if not ok_kind:
+        return [1, 0, 0, 0, 0, 0, 0]
+    c = cu.detach().to("cpu", torch.int64)
+    mono = int(bool((c[1:] >= c[:-1]).all()))
+    weights = torch.arange(1, c.numel() + 1, dtype=torch.int64)
+    return [1, c.numel() - 1, int(c[-1]), int(c[0]), mono, 1, int((c * weights).sum() % (1 << 40))]
+
+
 def describe(query, key, value, *, layout, backend, causal, attention_mask=None, attention_bias=None,
-             token_order="contiguous", overlap_chunks=1):
+             token_order="contiguous", overlap_chunks=1, ring=1, dropout=False, bias_grad=False,
+             cu_seqlens=None, thd=False):
     """This rank's inputs as integers (see module docstring)."""
     vec: List[int] = []
     for t in (query, key, value):
@@ -72,7 +86,20 @@ def describe(query, key, value, *, layout, backend, causal, attention_mask=None,
     vec.append(int(bool(causal)))
     vec.append(_code(token_order, list(TOKEN_ORDERS)))
     vec.append(int(overlap_chunks))
+    vec += [int(ring), int(bool(dropout)), int(bool(bias_grad)), int(bool(thd))]
+    vec += _describe_cu(cu_seqlens)
     return vec
+
+
+VECTOR_LEN = len(describe(torch.empty(1, 1, 1, 1), torch.empty(1, 1, 1, 1), torch.empty(1, 1, 1, 1),
+                          layout="sbhd", backend="sdpa", causal=True))
+
+
+def split(flat: Sequence[int], n: int) -> List[List[int]]:
+    """``n`` concatenated vectors -> the list of vectors."""
+    flat = list(flat)
+    size = len(flat) // n
+    return [flat[i * size:(i + 1) * size] for i in range(n)]
 
 
 def gather(vec: List[int], group) -> List[List[int]]:
@@ -105,6 +132,9 @@ def _unpack(vec):
     d["causal"] = next(it)
     d["token_order"] = next(it)
     d["overlap_chunks"] = next(it)
+    for n in ("ring", "dropout", "bias_grad", "thd"):
+        d[n] = next(it)
+    d["cu"] = [next(it) for _ in range(7)]
     return d
 
 
@@ -114,6 +144,42 @@ def _dt(code):
 
 def _dev(code):
     return _DEVICES[code] if code < len(_DEVICES) else "other"
+
+
+def _ring_problem(d, where: str) -> Optional[str]:
+    """What a ring (``ring_group`` of size > 1) or a packed ``thd`` input cannot take."""
+    ring, backend = d["ring"], d["backend"]
+    if ring > 1:
+        if backend not in ("sdpa", "te"):
+            return (f"a ring (ring_group of {ring} ranks, --context-parallel-size) runs with backend='sdpa' (the "
+                    f"log-sum-exp ring) or 'te' (Transformer Engine's p2p ring); {where} backend={backend!r}")
+        if d["dropout"]:
+            return (f"attention dropout is not supported with a ring (ring_group of {ring} ranks) {where}: "
+                    "set --attention-dropout 0")
+        if d["bias_grad"]:
+            return (f"attention_bias requires grad {where}, but the ring treats the bias as a constant: "
+                    "pass attention_bias.detach() or use --context-parallel-size 1")
+        if backend == "te" and (d["thd"] or d["mask"][0] != -2 or d["bias"][0] != -2):
+            return (f"backend='te' with a ring takes causal / no-mask unpacked input only {where}: use "
+                    "backend='sdpa' for masks, bias or packed sequences with a ring")
+    cu = d["cu"]
+    if d["thd"]:
+        if not cu[0]:
+            return f"layout='thd' needs cu_seqlens (the global document boundaries of the packed stream) {where}"
+        if d["mask"][0] != -2 or d["bias"][0] != -2:
+            return (f"layout='thd' takes no attention_mask / attention_bias {where}: documents are "
+                    "separated by cu_seqlens; unpack to 'sbhd' for arbitrary masks")
+        if backend == "callable":
+            return f"layout='thd' needs backend='sdpa', 'flash' or 'te' (varlen kernels) {where}, not a callable"
+    elif cu[0]:
+        return f"cu_seqlens is given {where} but layout={d['layout']!r}: pass layout='thd' for packed sequences"
+    if cu[0]:
+        if not cu[5]:
+            return f"cu_seqlens must be a 1-D integer tensor [documents + 1] {where}"
+        if cu[3] != 0 or not cu[4]:
+            return (f"cu_seqlens must start at 0 and never decrease {where} (it starts at {cu[3]}): "
+                    "give the cumulative document lengths of the whole packed stream")
+    return None
 
 
 def _rank_problem(d, rank: int, degree: int) -> Optional[str]:
@@ -166,7 +232,14 @@ def _rank_problem(d, rank: int, degree: int) -> Optional[str]:
             err = f"overlap_chunks={d['overlap_chunks']} needs heads that divide evenly over the degree {degree}"
         if err:
             return f"{err} ({where})"
-    seq = q["shape"][sdim] * degree
+    err = _ring_problem(d, where)
+    if err:
+        return err
+    seq = q["shape"][sdim] * degree * d["ring"]
+    if d["cu"][0] and d["cu"][2] != seq:
+        return (f"cu_seqlens ends at {d['cu'][2]} {where}, but the packed stream is {seq} tokens "
+                f"({q['shape'][sdim]} per rank x {degree * d['ring']} ranks): cu_seqlens must cover the "
+                "whole global stream; pad the stream to a multiple of the degree with a last document")
     for n in ("mask", "bias"):
         shp = d[n]
         if shp[0] == -2:
@@ -179,15 +252,20 @@ def _rank_problem(d, rank: int, degree: int) -> Optional[str]:
     return None
 
 
-def find_problem(vectors: Sequence[Sequence[int]]) -> Optional[str]:
-    """The first problem over every rank's inputs, or ``None``.  Pure: same answer everywhere."""
-    degree = len(vectors)
+def find_problem(vectors: Sequence[Sequence[int]], degree: Optional[int] = None,
+                 ring: int = 1) -> Optional[str]:
+    """The first problem over every rank's inputs, or ``None``.  Pure: same answer everywhere.
+
+    ``vectors``: one per rank of the sample group, Ulysses rank fastest (``u + degree*j``)."""
+    degree = len(vectors) if degree is None else degree
     ds = [_unpack(v) for v in vectors]
     for r, d in enumerate(ds):
-        err = _rank_problem(d, r, degree)
+        err = _rank_problem(d, r % degree, degree)
         if err:
+            if len(ds) > degree:
+                err = err.replace("of the Ulysses group", f"of the Ulysses group, ring rank {r // degree}")
             return err
-    if degree == 1:
+    if len(ds) == 1:
         return None
     layout = ds[0]["layout"]
     sdim = 0 if layout == "sbhd" else 1
@@ -205,9 +283,12 @@ def find_problem(vectors: Sequence[Sequence[int]]) -> Optional[str]:
         ("overlap_chunks", lambda d: d["overlap_chunks"]),
         ("attention_mask shape", lambda d: d["mask"]),
         ("backend", lambda d: d["backend"]),
+        ("ring size", lambda d: d["ring"]),
+        ("cu_seqlens (the global document boundaries must be identical on every rank)", lambda d: d["cu"]),
     ]
     for what, get in checks:
         vals = [get(d) for d in ds]
         if any(v != vals[0] for v in vals):
-            return f"ranks of the Ulysses group disagree in {what}: per rank {vals}"
+            who = "Ulysses group" if len(ds) == degree else f"Ulysses x ring group ({degree} x {ring})"
+            return f"ranks of the {who} disagree in {what}: per rank {vals}"
     return None

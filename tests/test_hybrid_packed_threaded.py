@@ -1,0 +1,183 @@
+"""Hybrid Ulysses x ring and packed (THD) attention against float64 full-sequence attention.
+
+Tier 2: threaded process groups.  A world of ``U * C`` threads is cut into Ulysses groups
+(contiguous ranks) and ring groups (stride ``U``), as Megatron's hierarchical context
+parallelism does; rank ``u + U*j`` holds shard ``u + U*j`` of the sequence.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ulysses_mcore
+from ulysses_mcore import checks, ring as ring_mod
+from ulysses_mcore.ring import document_ids, ring_attention, ring_segments
+from tests.helpers import reference_attention, run_threaded, run_threaded_errors
+from tests.test_attention_threaded import FP32_RTOL, make_inputs, rel_err
+
+
+def hybrid_groups(rank, U, C):
+    """(ulysses group, ring group) of ``rank`` in a world of U*C threads."""
+    mine = {}
+    for j in range(C):
+        ranks = [u + U * j for u in range(U)]
+        g = dist.new_group(ranks)
+        if rank in ranks:
+            mine["u"] = g
+    for u in range(U):
+        ranks = [u + U * j for j in range(C)]
+        g = dist.new_group(ranks)
+        if rank in ranks:
+            mine["r"] = g
+    return mine["u"], mine["r"]
+
+
+def shard(t, c, n, order, dim):
+    """Shard ``c`` of ``n`` of the full tensor along ``dim`` (contiguous or dual-chunk)."""
+    S = t.shape[dim]
+    return torch.cat([t.narrow(dim, s, m) for s, m in ring_segments(c, n, S, order)], dim=dim)
+
+
+def doc_mask(cu, S):
+    """Boolean [1, 1, S, S], True where two positions lie in different documents."""
+    d = document_ids(cu, S)
+    return (d[:, None] != d[None, :])[None, None]
+
+
+def run_hybrid(U, C, S, b, hq, hk, d, layout, causal, order, mask=False, bias=False, cu=None, backend="sdpa"):
+    thd = cu is not None
+    q, k, v, dout, m, bi = make_inputs(U * 100 + C * 10 + hq, S, b, hq, hk, d, layout, mask=mask, bias=bias)
+    sd = 0 if layout == "sbhd" else 1
+    if thd:  # packed stream: [t, h, d]
+        q, k, v, dout = (t[:, 0] for t in (q, k, v, dout))
+
+    def rank_fn(rank, world):
+        ug, rg = hybrid_groups(rank, U, C) if C > 1 else (dist.group.WORLD, None)
+        qs, ks, vs = (shard(t, rank, world, order, sd).clone().requires_grad_() for t in (q, k, v))
+        out = ulysses_mcore.ulysses_attention(
+            qs, ks, vs, group=ug, ring_group=rg, causal=causal, layout="thd" if thd else layout,
+            attention_mask=m, attention_bias=bi, token_order=order, cu_seqlens=cu, backend=backend)
+        out.backward(shard(dout, rank, world, order, sd))
+        return out.detach(), qs.grad, ks.grad, vs.grad
+
+    res = run_threaded(U * C, rank_fn)
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+    if thd:
+        ref = reference_attention(qr.unsqueeze(1), kr.unsqueeze(1), vr.unsqueeze(1), causal=causal,
+                                  attention_mask=doc_mask(cu, S)).squeeze(1)
+    else:
+        ref = reference_attention(qr, kr, vr, causal=causal, layout=layout, attention_mask=m, attention_bias=bi)
+    ref.backward(dout.double())
+    want = (ref.detach(), qr.grad, kr.grad, vr.grad)
+    return [max(rel_err(res[r][i], shard(w, r, U * C, order, sd)) for r in range(U * C)) for i, w in enumerate(want)]
+
+
+HYBRID = [
+    # U, C, S, b, hq, hk, d, layout, causal, order, mask/bias
+    (2, 2, 32, 2, 4, 4, 8, "sbhd", True, "load_balanced", False),
+    (2, 2, 32, 2, 4, 2, 8, "bshd", True, "load_balanced", True),
+    (2, 2, 16, 1, 4, 4, 8, "sbhd", False, "contiguous", False),
+    (4, 2, 64, 1, 8, 2, 8, "sbhd", True, "load_balanced", False),   # GQA, kv replicated x2 in the a2a
+    (2, 4, 64, 2, 4, 1, 8, "sbhd", True, "load_balanced", True),    # MQA, ring of 4
+    (2, 3, 48, 1, 6, 6, 8, "sbhd", True, "load_balanced", False),   # ring of 3
+    (4, 2, 64, 1, 7, 7, 8, "sbhd", True, "load_balanced", False),   # uneven heads inside the hybrid
+    (1, 4, 32, 2, 4, 2, 8, "sbhd", True, "load_balanced", True),    # pure ring (ulysses 1)
+]
+
+
+@pytest.mark.parametrize("case", HYBRID, ids=lambda c: "U{}xC{}_q{}kv{}_{}_{}_{}{}".format(
+    c[0], c[1], c[4], c[5], c[7], "causal" if c[8] else "full", c[9], "_mask_bias" if c[10] else ""))
+def test_hybrid_matches_float64(case):
+    U, C, S, b, hq, hk, d, layout, causal, order, mb = case
+    errs = run_hybrid(U, C, S, b, hq, hk, d, layout, causal, order, mask=mb, bias=mb)
+    assert max(errs) < FP32_RTOL, f"rel errors out, dq, dk, dv = {errs}"
+
+
+PACKED = [
+    # U, C, S, hq, hk, order, cu_seqlens (documents cross shard boundaries)
+    (2, 1, 32, 4, 4, "contiguous", [0, 5, 19, 20, 32]),
+    (4, 1, 32, 8, 2, "load_balanced", [0, 3, 11, 11, 30, 32]),      # an empty document too
+    (4, 1, 36, 7, 7, "contiguous", [0, 13, 36]),                   # uneven heads
+    (2, 2, 32, 4, 2, "load_balanced", [0, 7, 9, 25, 32]),           # packed + hybrid ring
+    (1, 2, 24, 4, 4, "contiguous", [0, 10, 24]),                    # packed, pure ring
+]
+
+
+@pytest.mark.parametrize("case", PACKED, ids=lambda c: "U{}xC{}_q{}kv{}_{}_{}docs".format(
+    c[0], c[1], c[3], c[4], c[5], len(c[6]) - 1))
+def test_packed_thd_matches_float64(case):
+    U, C, S, hq, hk, order, cu = case
+    errs = run_hybrid(U, C, S, 1, hq, hk, 8, "sbhd", True, order, cu=torch.tensor(cu, dtype=torch.int32))
+    assert max(errs) < FP32_RTOL, f"rel errors out, dq, dk, dv = {errs}"
+
+
+def test_ring_collectives_and_block_skipping():
+    """Forward: C-1 ring shifts; backward: 2C-1 (kv passes + the gradients' trip home)."""
+    U, C, S = 1, 4, 32
+    q, k, v, dout, _, _ = make_inputs(9, S, 1, 4, 4, 8, "sbhd")
+
+    def rank_fn(rank, world):
+        qs, ks, vs = (shard(t, rank, world, "load_balanced", 0).clone().requires_grad_() for t in (q, k, v))
+        dist.barrier()
+        s0 = ring_mod.COLLECTIVE_CALLS["ring_shift"]
+        dist.barrier()
+        out = ring_attention(qs, ks, vs, group=dist.group.WORLD, causal=True)
+        dist.barrier()
+        s1 = ring_mod.COLLECTIVE_CALLS["ring_shift"]
+        dist.barrier()
+        out.backward(shard(dout, rank, world, "load_balanced", 0))
+        dist.barrier()
+        return s1 - s0, ring_mod.COLLECTIVE_CALLS["ring_shift"] - s1
+
+    fwd, bwd = run_threaded(C, rank_fn)[0]
+    assert (fwd / C, bwd / C) == (C - 1, 2 * C - 1)
+    # dual-chunk order balances causal work: every rank computes the same number of blocks
+    work = []
+    for j in range(C):
+        n = 0
+        for src in range(C):
+            for ks in ring_segments(src, C, S, "load_balanced"):
+                for qs in ring_segments(j, C, S, "load_balanced"):
+                    n += not ring_mod._Block(qs, ks, True, 1.0, None, None).skip
+        work.append(n)
+    assert len(set(work)) == 1, work
+
+
+def _bad(U, C, **kw):
+    """Each rank's exception when every rank calls with the given (possibly per-rank) arguments."""
+    def fn(rank, world):
+        ug, rg = hybrid_groups(rank, U, C)
+        args = {k: (v(rank) if callable(v) else v) for k, v in kw.items()}
+        S = args.pop("S", 16)
+        t = torch.randn(S // world, 1, 4, 8)
+        ulysses_mcore.ulysses_attention(t, t, t, group=ug, ring_group=rg, causal=True,
+                                        token_order="load_balanced", **args)
+    return run_threaded_errors(U * C, fn)
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(backend="flash"), "backend='sdpa'"),
+    (dict(dropout_p=0.1), "--attention-dropout 0"),
+    (dict(S=lambda r: 32 if r == 3 else 16), "disagree in tokens per rank"),   # a rank of the *other* ring
+    (dict(attention_mask=torch.zeros(1, 1, 8, 8, dtype=torch.bool)), "attention_mask must cover the full sequence"),
+    (dict(cu_seqlens=torch.tensor([0, 16])), "pass layout='thd'"),
+])
+def test_hybrid_bad_input_same_error_everywhere(kw, needle):
+    errs = _bad(2, 2, **kw)
+    assert all(isinstance(e, ValueError) for e in errs), errs
+    assert len({str(e) for e in errs}) == 1 and needle in str(errs[0]), str(errs[0])
+
+
+def test_packed_bad_input():
+    def fn(rank, world, cu, mask=None):
+        t = torch.randn(8, 4, 8)
+        ulysses_mcore.ulysses_attention(t, t, t, group=dist.group.WORLD, causal=True, layout="thd",
+                                        cu_seqlens=cu, attention_mask=mask)
+    for cu, needle in [(None, "needs cu_seqlens"), (torch.tensor([0, 5, 12]), "cu_seqlens ends at 12"),
+                       (torch.tensor([1, 5, 16]), "must start at 0"), (torch.tensor([0, 9, 5, 16]), "never decrease")]:
+        errs = run_threaded_errors(2, fn, cu)
+        assert all(isinstance(e, ValueError) and needle in str(e) for e in errs), (needle, errs)
+    errs = run_threaded_errors(2, fn, torch.tensor([0, 16]), torch.zeros(1, 1, 16, 16, dtype=torch.bool))
+    assert all(isinstance(e, ValueError) and "takes no attention_mask" in str(e) for e in errs), errs
+    vec = checks.describe(*(torch.empty(8, 1, 4, 8),) * 3, layout="sbhd", backend="sdpa", causal=True)
+    assert len(vec) == checks.VECTOR_LEN

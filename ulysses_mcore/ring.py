@@ -1,0 +1,245 @@
+"""Ring attention over the ring context-parallel group, merging partial results by log-sum-exp.
+
+Used by the hybrid Ulysses x ring path: after the Ulysses all-to-all a rank holds, for its
+band of heads, the tokens of its *ring* shard; the ring then passes key/value blocks around
+the ``cp`` group so every query meets every key.  On GPU the same job is Transformer
+Engine's p2p context parallelism (``backend="te"``); this module is the portable version
+(CPU/gloo, or any backend), written with plain matmuls so it is exact and testable here.
+
+Token order: ring rank ``j`` of ``C`` holds chunks ``j`` and ``2C-1-j`` of ``2C`` equal
+chunks (``"load_balanced"``, Megatron's dual-chunk order: every rank gets the same causal
+work) or chunk ``j`` of ``C`` (``"contiguous"``).  A rank's tokens are a few *segments* of
+global positions; each (query segment, key segment) pair is skipped when causality hides
+it entirely, computed without a mask when it lies wholly below the diagonal, and with the
+causal triangle otherwise.  Masks and additive bias cover the full sequence, indexed by
+global positions.
+
+Single-rank reference (what the ring computes, per query row ``i``)::
+
+    out_i = sum_blocks exp(lse_blk_i - lse_i) * out_blk_i,   lse_i = logsumexp_blocks lse_blk_i
+
+Forward: ``C`` steps; at step ``t`` rank ``j`` holds the k/v block of rank ``(j - t) % C``
+and, while it computes with it, passes it on to ``j + 1`` (an asynchronous ring shift,
+``C - 1`` in all).  Backward: the same ring with ``dk``/``dv`` accumulators travelling with
+their block, plus one last shift that brings each block's gradient home.
+
+The shift is an ``all_to_all_single`` with split sizes (send to the next rank, receive from
+the previous one): one primitive that gloo, NCCL and the threaded test backend all have.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+COLLECTIVE_CALLS = {"ring_shift": 0}
+Segments = List[Tuple[int, int]]  # (first global position, length)
+
+
+def ring_segments(rank: int, size: int, seq_len: int, token_order: str) -> Segments:
+    """Global positions held by ring rank ``rank``: one or two ``(start, length)`` segments."""
+    if token_order == "load_balanced":
+        n = seq_len // (2 * size)
+        return [(rank * n, n), ((2 * size - 1 - rank) * n, n)]
+    n = seq_len // size
+    return [(rank * n, n)]
+
+
+def document_ids(cu_seqlens: torch.Tensor, total: int, device=None) -> torch.Tensor:
+    """Document index of each position of a packed stream of ``total`` tokens."""
+    cu = cu_seqlens.to(device=device, dtype=torch.int64)
+    return torch.bucketize(torch.arange(total, device=device), cu[1:], right=True)
+
+
+def _shift(buf: torch.Tensor, group, async_op: bool = True):
+    """Send ``buf`` to the next ring rank, receive the previous rank's; returns (recv, work)."""
+    C, me = dist.get_world_size(group), dist.get_rank(group)
+    flat = buf.reshape(-1)
+    n = flat.numel()
+    recv = torch.empty_like(flat)
+    nxt, prv = (me + 1) % C, (me - 1) % C
+    in_splits = [n if r == nxt else 0 for r in range(C)]
+    out_splits = [n if r == prv else 0 for r in range(C)]
+    COLLECTIVE_CALLS["ring_shift"] += 1
+    work = dist.all_to_all_single(recv, flat, out_splits, in_splits, group=group, async_op=async_op)
+    return recv.view(buf.shape), work
+
+
+def _wait(work):
+    if work is not None:
+        work.wait()
+
+
+class _Block:
+    """Scores of one (query segment, key segment) pair, masked, in the accumulation dtype."""
+
+    def __init__(self, qseg, kseg, causal, scale, mask, bias, docs=None):
+        (qs, qn), (ks, kn) = qseg, kseg
+        self.skip = causal and ks > qs + qn - 1
+        self.docs = None
+        if docs is not None:  # packed documents: positions of different documents never meet
+            qd, kd = docs[qs:qs + qn], docs[ks:ks + kn]
+            self.skip = self.skip or bool(kd[-1] < qd[0]) or bool(kd[0] > qd[-1])
+            if not (qd[0] == qd[-1] == kd[0] == kd[-1]):
+                self.docs = (qd, kd)
+        self.qs, self.qn, self.ks, self.kn = qs, qn, ks, kn
+        self.causal_part = causal and not self.skip and ks + kn - 1 > qs
+        self.scale, self.mask, self.bias = scale, mask, bias
+
+    def scores(self, q, k):
+        """``q [b, hk, g, qn, d]``, ``k [b, hk, 1, kn, d]`` -> ``[b, hk, g, qn, kn]``, -inf where masked."""
+        s = torch.matmul(q, k.transpose(-1, -2)) * self.scale
+        b, hk, g, qn, kn = s.shape
+        rq, rk = slice(self.qs, self.qs + qn), slice(self.ks, self.ks + kn)
+        if self.bias is not None:
+            s = s + _heads5(self.bias[:, :, rq, rk], hk, g).to(s.dtype)
+        allowed = None
+        if self.causal_part:
+            qp = torch.arange(self.qs, self.qs + qn, device=s.device)
+            kp = torch.arange(self.ks, self.ks + kn, device=s.device)
+            allowed = kp[None, :] <= qp[:, None]
+        if self.docs is not None:
+            same = self.docs[0][:, None] == self.docs[1][None, :]
+            allowed = same if allowed is None else (allowed & same)
+        if self.mask is not None:
+            m = _heads5(self.mask[:, :, rq, rk], hk, g)
+            allowed = ~m if allowed is None else (allowed & ~m)
+        if allowed is not None:
+            s = s.masked_fill(~allowed, float("-inf"))
+        return s
+
+
+def _heads5(t: torch.Tensor, hk: int, g: int) -> torch.Tensor:
+    """A ``[b|1, h|1, qn, kn]`` mask/bias slice -> ``[b|1, hk|1, g|1, qn, kn]``."""
+    if t.shape[1] == 1:
+        return t.unsqueeze(1)
+    return t.unflatten(1, (hk, g))
+
+
+def _safe_exp_diff(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """exp(a - b), 0 where ``a`` is -inf (also when ``b`` is -inf)."""
+    return torch.where(torch.isinf(a) & (a < 0), torch.zeros_like(a), torch.exp(a - b))
+
+
+class RingAttention(torch.autograd.Function):
+    """``q [b, hk, g, Sq, d]``, ``k, v [b, hk, 1, Sk, d]`` of this ring rank -> out like q."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, scale, seq_len, token_order, mask, bias, docs):
+        C, me = dist.get_world_size(group), dist.get_rank(group)
+        acc = torch.promote_types(q.dtype, torch.float32)
+        qa = q.to(acc)
+        my_segs = ring_segments(me, C, seq_len, token_order)
+        out = torch.zeros(qa.shape, dtype=acc, device=q.device)
+        lse = torch.full(qa.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+        kv = torch.stack([k, v])
+        for step in range(C):
+            src = (me - step) % C
+            recv, work = _shift(kv, group) if step < C - 1 else (None, None)
+            ka, va = kv[0].to(acc), kv[1].to(acc)
+            koff = 0
+            for kseg in ring_segments(src, C, seq_len, token_order):
+                qoff = 0
+                for qseg in my_segs:
+                    blk = _Block(qseg, kseg, causal, scale, mask, bias, docs)
+                    if not blk.skip:
+                        rq, rk = slice(qoff, qoff + qseg[1]), slice(koff, koff + kseg[1])
+                        s = blk.scores(qa[..., rq, :], ka[..., rk, :])
+                        b_lse = torch.logsumexp(s, dim=-1)
+                        p = _safe_exp_diff(s, b_lse[..., None])
+                        b_out = torch.matmul(p, va[..., rk, :])
+                        new = torch.logaddexp(lse[..., rq], b_lse)
+                        out[..., rq, :] = (out[..., rq, :] * _safe_exp_diff(lse[..., rq], new)[..., None]
+                                           + b_out * _safe_exp_diff(b_lse, new)[..., None])
+                        lse[..., rq] = new
+                    qoff += qseg[1]
+                koff += kseg[1]
+            _wait(work)
+            if recv is not None:
+                kv = recv
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.causal, ctx.scale, ctx.seq_len, ctx.token_order = group, causal, scale, seq_len, token_order
+        ctx.mask, ctx.bias, ctx.docs = mask, bias, docs
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, causal, scale, seq_len, order = ctx.group, ctx.causal, ctx.scale, ctx.seq_len, ctx.token_order
+        C, me = dist.get_world_size(group), dist.get_rank(group)
+        acc = out.dtype
+        qa, do = q.to(acc), dout.to(acc)
+        # 1. D_i = sum_d dO_i * O_i (the softmax backward's row term)
+        D = (do * out).sum(-1)
+        dq = torch.zeros_like(qa)
+        kv = torch.stack([k, v])
+        dkv = torch.zeros(kv.shape, dtype=acc, device=k.device)
+        my_segs = ring_segments(me, C, seq_len, order)
+        for step in range(C):
+            src = (me - step) % C
+            recv_kv, work_kv = _shift(kv, group) if step < C - 1 else (None, None)
+            ka, va = kv[0].to(acc), kv[1].to(acc)
+            koff = 0
+            for kseg in ring_segments(src, C, seq_len, order):
+                qoff = 0
+                rk = slice(koff, koff + kseg[1])
+                for qseg in my_segs:
+                    blk = _Block(qseg, kseg, causal, scale, ctx.mask, ctx.bias, ctx.docs)
+                    if not blk.skip:
+                        rq = slice(qoff, qoff + qseg[1])
+                        # 2. recompute probabilities with the final lse
+                        s = blk.scores(qa[..., rq, :], ka[..., rk, :])
+                        p = _safe_exp_diff(s, lse[..., rq, None])
+                        # 3. dV += P^T dO ; dP = dO V^T ; dS = P (dP - D)
+                        dkv[1][..., rk, :] += torch.matmul(p.transpose(-1, -2), do[..., rq, :]).sum(2, keepdim=True)
+                        dp = torch.matmul(do[..., rq, :], va[..., rk, :].transpose(-1, -2))
+                        ds = p * (dp - D[..., rq, None])
+                        # 4. dQ += dS K * scale ; dK += dS^T Q * scale (summed over the query group)
+                        dq[..., rq, :] += torch.matmul(ds, ka[..., rk, :]) * scale
+                        dkv[0][..., rk, :] += (torch.matmul(ds.transpose(-1, -2), qa[..., rq, :]) * scale).sum(2, keepdim=True)
+                    qoff += qseg[1]
+                koff += kseg[1]
+            # 5. the gradient of this block travels with it; the last shift brings it home
+            recv_dkv, work_dkv = _shift(dkv, group)
+            _wait(work_kv)
+            _wait(work_dkv)
+            dkv = recv_dkv
+            if recv_kv is not None:
+                kv = recv_kv
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None, None, None
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group,
+    causal: bool,
+    softmax_scale: Optional[float] = None,
+    layout: str = "sbhd",
+    token_order: str = "load_balanced",
+    attention_mask: Optional[torch.Tensor] = None,
+    attention_bias: Optional[torch.Tensor] = None,
+    cu_seqlens: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Exact attention of this ring rank's tokens (``layout`` ``sbhd`` or ``bshd``, GQA
+    allowed) against the whole sequence spread over ``group``.  Differentiable in q, k, v
+    (``attention_bias`` is a constant here).  ``cu_seqlens``: global document
+    boundaries of a packed stream (``sbhd`` with b = 1); attention stays inside documents."""
+    seq_dim = 0 if layout == "sbhd" else 1
+    C = dist.get_world_size(group)
+    S = q.shape[seq_dim] * C
+    hq, hk, d = q.shape[2], k.shape[2], q.shape[3]
+    scale = softmax_scale if softmax_scale is not None else d ** -0.5
+    to5 = (lambda t, h, g: t.permute(1, 2, 0, 3).unflatten(1, (h, g))) if layout == "sbhd" else \
+          (lambda t, h, g: t.transpose(1, 2).unflatten(1, (h, g)))
+    q5, k5, v5 = to5(q, hk, hq // hk), to5(k, hk, 1), to5(v, hk, 1)
+    docs = None
+    if cu_seqlens is not None:
+        docs = document_ids(cu_seqlens, S, q.device)
+    out = RingAttention.apply(q5, k5, v5, group, causal, scale, S, token_order, attention_mask, attention_bias, docs)
+    out = out.flatten(1, 2)  # [b, hq, Sq, d]
+    return out.permute(2, 0, 1, 3) if layout == "sbhd" else out.transpose(1, 2)
