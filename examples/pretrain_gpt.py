@@ -71,6 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--data-path", default=None, help="prefix of a .bin/.idx indexed dataset")
     g.add_argument("--split", default="98,2,0")
     g.add_argument("--tokenizer-type", choices=["ByteTokenizer"], default="ByteTokenizer")
+    g.add_argument("--reset-attention-mask", action="store_true",
+                   help="documents (split at EOD) do not attend to each other: each micro-batch is packed "
+                        "into one THD stream with cu_seqlens (no [s, s] mask is ever built)")
+    g.add_argument("--reset-position-ids", action="store_true",
+                   help="position ids restart after each EOD (learned absolute embeddings; RoPE is relative)")
     g = p.add_argument_group("checkpointing and logging")
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
@@ -89,9 +94,12 @@ def validate(args, world_size: int):
     topo = Topology(world_size, tp=args.tensor_model_parallel_size, ulysses=args.ulysses_degree,
                     cp=args.context_parallel_size, pp=args.pipeline_model_parallel_size)
     topo.check_model(args.num_attention_heads, args.num_query_groups, args.seq_length)
-    if args.context_parallel_size > 1:
-        raise ValueError("--context-parallel-size > 1 (ring attention with Ulysses) is not supported yet; "
-                         "use --ulysses-degree alone")
+    if args.context_parallel_size > 1 and args.attention_backend == "flash":
+        raise ValueError("--context-parallel-size > 1 runs the ring with --attention-backend sdpa (log-sum-exp "
+                         "ring) or te (Transformer Engine's p2p ring), not flash")
+    if args.context_parallel_size > 1 and args.attention_backend == "te" and args.reset_attention_mask:
+        raise ValueError("--reset-attention-mask with --context-parallel-size > 1 needs --attention-backend sdpa "
+                         "(Transformer Engine's ring takes unpacked causal input only)")
     if args.num_layers % args.pipeline_model_parallel_size:
         raise ValueError(f"--num-layers {args.num_layers} must be divisible by "
                          f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}")
@@ -272,7 +280,7 @@ def train(args, topo, use_cuda):
 
     from ulysses_mcore.megatron import data as D
     from ulysses_mcore.megatron import training
-    from ulysses_mcore.megatron.batch import shard_batch
+    from ulysses_mcore.megatron.batch import pack_batch, reset_position_ids, shard_batch
     from ulysses_mcore.megatron.specs import get_ulysses_layer_spec
 
     ulysses_mcore.initialize(tp=topo.tp, ulysses=topo.ulysses, cp=topo.cp, pp=topo.pp,
@@ -355,7 +363,14 @@ def train(args, topo, use_cuda):
     seq = args.seq_length
 
     def shard(mbs):
+        if args.reset_attention_mask:  # one packed THD stream per micro-batch, documents split at EOD
+            return [shard_batch(pack_batch(mb, tok.eod, reset_positions=args.reset_position_ids)) for mb in mbs]
+        if args.reset_position_ids:
+            mbs = [reset_position_ids(mb, tok.eod) for mb in mbs]
         return [shard_batch(mb, load_balanced=True) for mb in mbs]
+
+    # a packed micro-batch is one stream of micro-batch-size x seq-length tokens
+    sched_seq, sched_mbs = (seq * args.micro_batch_size, 1) if args.reset_attention_mask else (seq, args.micro_batch_size)
 
     while iteration < args.train_iters:
         t0 = time.perf_counter()
@@ -367,7 +382,7 @@ def train(args, topo, use_cuda):
             if _fault("nan", it):
                 next(p for p in mdl.module.parameters()).main_grad.view(-1)[0] = float("nan")
 
-        m = training.train_step(model, optimizer, mbs, seq_length=seq, micro_batch_size=args.micro_batch_size,
+        m = training.train_step(model, optimizer, mbs, seq_length=sched_seq, micro_batch_size=sched_mbs,
                                 scheduler=scheduler, increment=G, iteration=iteration + 1,
                                 on_nonfinite=args.on_nan, fault_hook=nan_hook)
         iteration += 1
@@ -388,8 +403,8 @@ def train(args, topo, use_cuda):
                              f"{dt * 1e3:.2f}", f"{tps:.1f}", f"{peak:.3f}", "train"])
             fh.flush()
         if vsampler is not None and args.eval_interval and iteration % args.eval_interval == 0:
-            losses = [training.evaluate(model, shard(vsampler.microbatches(i * G)), seq_length=seq,
-                                        micro_batch_size=args.micro_batch_size) for i in range(args.eval_iters)]
+            losses = [training.evaluate(model, shard(vsampler.microbatches(i * G)), seq_length=sched_seq,
+                                        micro_batch_size=sched_mbs) for i in range(args.eval_iters)]
             if is_logger:
                 val = sum(losses) / len(losses)
                 print(f" validation loss at iteration {iteration} | lm loss value: {val:.6E} | "

@@ -8,7 +8,9 @@ pad to 32 with masked tokens), random loss-mask holes and one sequence whose sec
 is fully masked (so some shards hold no valid token).  For each configuration: loss of 3
 optimizer steps within 1e-5 relative, and every parameter's reduced gradient (each rank's
 shard against the same slice of the reference's full gradient, so all of every tensor is
-compared) within 1e-5 relative.  Negative controls: the same check with the Ulysses
+compared) within 1e-5 relative.  Hybrid Ulysses x ring configurations run on the same data;
+packed streams (THD, cu_seqlens from EOD tokens) are compared with the unsharded model fed
+Megatron-LM's dense --reset-attention-mask mask.  Negative controls: the same check with the Ulysses
 exchange bypassed, or with labels shifted after sharding, must fail.
 """
 
@@ -23,7 +25,13 @@ CONFIGS = [
     dict(ulysses=4),                  # x dp 2
     dict(tp=2, ulysses=2),            # x dp 2
     dict(tp=2, ulysses=2, pp=2),      # pipeline schedule with 4 micro-batches
+    dict(ulysses=2, cp=2),            # hybrid Ulysses x ring, x dp 2
+    dict(tp=2, ulysses=2, cp=2),      # tp x hybrid (1 kv head per tp rank, replicated in the a2a)
 ]
+# Packed documents (THD, cu_seqlens) against the unsharded model with Megatron-LM's dense
+# --reset-attention-mask mask: streams of 32 tokens with EOD tokens at fixed places.
+PACKED_CONFIGS = [dict(ulysses=2), dict(ulysses=4), dict(ulysses=2, cp=2)]
+EOD, S_PACKED = 255, 32
 GLOBAL, S_REAL, VOCAB, STEPS = 4, 30, 256, 3
 MODEL = dict(num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=8, num_query_groups=2)
 
@@ -37,6 +45,20 @@ def _data():
     full = make_lm_batch(torch.randint(0, VOCAB, (GLOBAL, S_REAL + 1), generator=g))
     full["loss_mask"][torch.rand(GLOBAL, S_REAL, generator=g) < 0.2] = 0.0
     full["loss_mask"][3, S_REAL // 2:] = 0.0
+    return full
+
+
+def _packed_data():
+    import torch
+
+    from ulysses_mcore.megatron.batch import make_lm_batch
+
+    g = torch.Generator().manual_seed(5)
+    text = torch.randint(0, VOCAB - 1, (GLOBAL, S_PACKED + 1), generator=g)
+    for i, cuts in enumerate([[3, 17], [9], [0, 11, 12, 27], []]):  # documents of 1..32 tokens
+        text[i, cuts] = EOD
+    full = make_lm_batch(text)
+    full["loss_mask"][torch.rand(GLOBAL, S_PACKED, generator=g) < 0.2] = 0.0
     return full
 
 
@@ -56,7 +78,7 @@ def _step(model, opt, mbs, seq_length):
     return loss, grads
 
 
-def _build(ckpt_dir, load):
+def _build(ckpt_dir, load, dense_mask=False):
     import torch
     from megatron.core import dist_checkpointing, tensor_parallel
 
@@ -65,7 +87,15 @@ def _build(ckpt_dir, load):
     torch.manual_seed(1234)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     cfg = training.gpt_config(**MODEL)
-    model = training.build_gpt(cfg, vocab_size=VOCAB, max_sequence_length=64)
+    spec = None
+    if dense_mask:  # the reference for packed runs: Megatron-LM's [s, s] --reset-attention-mask mask
+        from megatron.core.transformer.enums import AttnMaskType
+
+        from ulysses_mcore.megatron.specs import get_ulysses_layer_spec
+
+        spec = get_ulysses_layer_spec()
+        spec.submodules.self_attention.params["attn_mask_type"] = AttnMaskType.padding_causal
+    model = training.build_gpt(cfg, vocab_size=VOCAB, max_sequence_length=64, layer_spec=spec)
     if load:
         sd = model.module.sharded_state_dict()
         model.module.load_state_dict(dist_checkpointing.load(sd, ckpt_dir))
@@ -133,6 +163,7 @@ def _parity_world(rank, world, ckpt_dir, controls):
     out = {}
     for cfg in CONFIGS:
         out[str(cfg)] = run(cfg, STEPS)
+    out.update(_packed_parity(ckpt_dir))
     if controls:
         out["control: late label shift"] = run(dict(ulysses=2), 1, mode="late_shift")
         ident_in = lambda q, k, v, *a, **kw: (q, k, v)  # noqa: E731
@@ -140,6 +171,47 @@ def _parity_world(rank, world, ckpt_dir, controls):
         attention.seq_to_head, attention.head_to_seq = ident_in, ident_out
         out["control: exchange bypassed"] = run(dict(ulysses=2), 1)
     groups.destroy()
+    return out
+
+
+def _packed_parity(ckpt_dir):
+    """Packed streams sharded over Ulysses (x ring) == the unsharded model with a dense mask."""
+    from megatron.core import parallel_state as ps
+
+    import ulysses_mcore
+    from ulysses_mcore.megatron import groups
+    from ulysses_mcore.megatron.batch import document_mask, document_boundaries, pack_batch, shard_batch
+
+    full = _packed_data()
+    mbs = [{k: v[i:i + 1] for k, v in full.items()} for i in range(GLOBAL)]
+    groups.destroy()
+    ulysses_mcore.initialize(verbose=False)
+    model, opt = _build(ckpt_dir, load=True, dense_mask=True)
+    dense = [dict(mb, attention_mask=document_mask(document_boundaries(mb["tokens"], EOD), S_PACKED)) for mb in mbs]
+    ref = [_step(model, opt, dense, S_PACKED) for _ in range(STEPS)]
+    out = {}
+    for cfg in PACKED_CONFIGS + ["control"]:
+        control = cfg == "control"
+        cfg = dict(ulysses=2) if control else cfg
+        groups.destroy()
+        ulysses_mcore.initialize(**cfg, verbose=False)
+        model, opt = _build(ckpt_dir, load=True)
+        dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        per = GLOBAL // dp
+        packed = [pack_batch(mb, EOD) for mb in mbs[dp_rank * per:(dp_rank + 1) * per]]
+        if control:  # documents ignored: one causal stream
+            packed = [dict(p, cu_seqlens=p["cu_seqlens"][[0, -1]]) for p in packed]
+        shards = [shard_batch(p) for p in packed]
+        assert "packed_seq_params" in shards[0] and "attention_mask" not in shards[0]
+        loss_err, grad_err = 0.0, 0.0
+        for step in range(1 if control else STEPS):
+            loss, grads = _step(model, opt, shards, S_PACKED)
+            loss_err = max(loss_err, abs(loss - ref[step][0]) / abs(ref[step][0]))
+            if step == 0:  # tp = 1: every rank holds whole gradients
+                for name, g in grads.items():
+                    want = ref[0][1][name]
+                    grad_err = max(grad_err, ((g - want).abs().max() / want.abs().max().clamp_min(1e-12)).item())
+        out["control: packed, documents ignored" if control else f"packed {cfg}"] = {"loss": loss_err, "grad": grad_err, "later": 0.0}
     return out
 
 
@@ -168,6 +240,9 @@ def test_gpt_parity_with_unsharded_model(tmp_path):
     for cfg in CONFIGS:
         m = merged[str(cfg)]
         assert m["loss"] < 1e-5 and m["grad"] < 1e-5, (cfg, m)
-    for name in ("control: late label shift", "control: exchange bypassed"):
+    for cfg in PACKED_CONFIGS:
+        m = merged[f"packed {cfg}"]
+        assert m["loss"] < 1e-5 and m["grad"] < 1e-5, ("packed", cfg, m)
+    for name in ("control: late label shift", "control: exchange bypassed", "control: packed, documents ignored"):
         m = merged[name]
         assert m["loss"] > 1e-3 or m["grad"] > 1e-3, (name, m)

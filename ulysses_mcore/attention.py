@@ -214,6 +214,12 @@ class UlyssesAttention(MegatronModule):
     for the local token shard and returns ``[s/P, b, hq*d]``.  ``attn_mask_type`` causal
     ignores ``attention_mask`` (as Transformer Engine does); padding / arbitrary masks must
     cover the full sequence ``[b or 1, 1 or heads, s, s]`` (True = masked).
+
+    With ``config.context_parallel_size = ulysses x cp`` (groups from
+    :func:`ulysses_mcore.initialize`) the ring group (``ring_group``, default the registered
+    one) runs ring attention after the all-to-all.  ``packed_seq_params`` (``thd``) takes
+    ``cu_seqlens_q`` as the global document boundaries of the packed stream (see
+    :func:`ulysses_mcore.megatron.batch.packed_seq_params`).
     """
 
     def __init__(
@@ -230,6 +236,7 @@ class UlyssesAttention(MegatronModule):
         backend: Union[str, Kernel] = "sdpa",
         check: bool = True,
         token_order: Optional[str] = None,
+        ring_group=None,
     ):
         super().__init__(config=config)
         self.layer_number = max(1, layer_number)
@@ -252,13 +259,14 @@ class UlyssesAttention(MegatronModule):
             tp = dist.get_world_size(tp_group)
         self.group = ulysses_group if ulysses_group is not None else state.get_ulysses_group()
         self.degree = 1 if self.group is None else dist.get_world_size(self.group)
-        if cp_size > 1 and cp_size != self.degree:
+        self.ring_group = ring_group if ring_group is not None else state.get_ring_group()
+        self.ring = 1 if self.ring_group is None else dist.get_world_size(self.ring_group)
+        if cp_size != self.degree * self.ring:
             raise ValueError(
-                f"config.context_parallel_size={cp_size} but the Ulysses group has {self.degree} ranks: "
-                "hybrid Ulysses x ring context parallelism is not supported yet; use "
-                "--context-parallel-size 1 with --ulysses-degree, or call ulysses_mcore.initialize()"
+                f"config.context_parallel_size={cp_size} but the Ulysses group has {self.degree} ranks and the "
+                f"ring {self.ring}: Megatron's context-parallel size must be --ulysses-degree x "
+                "--context-parallel-size; build the groups with ulysses_mcore.initialize(ulysses=..., cp=...)"
             )
-
         heads, groups = config.num_attention_heads, config.num_query_groups or config.num_attention_heads
         if heads % tp or groups % tp:
             raise ValueError(
@@ -299,19 +307,31 @@ class UlyssesAttention(MegatronModule):
         attention_bias: Optional[torch.Tensor] = None,
         packed_seq_params=None,
     ) -> torch.Tensor:
+        cu = None
         if packed_seq_params is not None:
-            raise ValueError(
-                "UlyssesAttention: packed sequences (packed_seq_params / THD) are not supported "
-                "yet; use unpacked [s, b, h, d] batches"
-            )
+            if getattr(packed_seq_params, "qkv_format", "thd") != "thd":
+                raise ValueError(
+                    f"UlyssesAttention: packed_seq_params.qkv_format={packed_seq_params.qkv_format!r}; "
+                    "packed sequences are supported in 'thd' format only"
+                )
+            cu = packed_seq_params.cu_seqlens_q
+            cu_kv = packed_seq_params.cu_seqlens_kv
+            if cu is None or (cu_kv is not None and cu_kv is not cu and not torch.equal(cu.cpu(), cu_kv.cpu())):
+                raise ValueError(
+                    "UlyssesAttention: packed_seq_params needs cu_seqlens_q (global document boundaries of the "
+                    "packed stream) equal to cu_seqlens_kv for self-attention; build it with "
+                    "ulysses_mcore.megatron.batch.packed_seq_params()"
+                )
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
-        mask = None if mask_type in (AttnMaskType.causal, AttnMaskType.no_mask) else attention_mask
+        mask = None if mask_type in (AttnMaskType.causal, AttnMaskType.no_mask) or cu is not None else attention_mask
         out = ulysses_attention(
             query, key, value,
-            group=self.group, causal=causal, layout="sbhd", backend=self.backend,
+            group=self.group, causal=causal, layout="thd" if cu is not None else "sbhd", backend=self.backend,
             softmax_scale=self.softmax_scale, attention_mask=mask, attention_bias=attention_bias,
             dropout_p=self.dropout_p if self.training else 0.0, check=self.check,
-            token_order=self.token_order,
+            token_order=self.token_order, ring_group=self.ring_group, cu_seqlens=cu,
         )
+        if cu is not None:
+            return out.reshape(out.shape[0], -1)  # [t, h*d]; Megatron adds the batch dim back
         return out.reshape(out.shape[0], out.shape[1], -1)

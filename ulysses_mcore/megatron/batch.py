@@ -19,6 +19,80 @@ import torch
 SEQ_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 
 
+# ----------------------------------------------------------------------------------
+# Packed sequences (THD): documents separated by cu_seqlens instead of an [s, s] mask
+# ----------------------------------------------------------------------------------
+def document_boundaries(tokens: torch.Tensor, eod_token_id: int) -> torch.Tensor:
+    """``cu_seqlens`` (int32) of a micro-batch ``tokens [b, s]`` read as one packed stream of
+    ``b*s`` tokens: a document ends after each ``eod`` token and at each sample's end --
+    Megatron-LM's ``--reset-attention-mask`` semantics, without the ``[s, s]`` mask."""
+    b, s = tokens.shape
+    ends = set()
+    for i in range(b):
+        eods = (tokens[i] == eod_token_id).nonzero().flatten().tolist()
+        ends.update(i * s + e + 1 for e in eods)
+        ends.add((i + 1) * s)
+    return torch.tensor([0] + sorted(ends), dtype=torch.int32)
+
+
+def document_mask(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """The dense equivalent ``[1, 1, total, total]`` (True = masked: different documents);
+    what Megatron-LM builds for ``--reset-attention-mask``.  For references and small runs."""
+    from ..ring import document_ids
+
+    d = document_ids(cu_seqlens, total)
+    return (d[:, None] != d[None, :])[None, None]
+
+
+def packed_seq_params(cu_seqlens: torch.Tensor, total: Optional[int] = None):
+    """Megatron's ``PackedSeqParams`` (``thd``) for a packed stream sharded over the
+    context-parallel group in Megatron's dual-chunk order (documents cross shard boundaries).
+
+    ``cu_seqlens_q/kv`` are the true document boundaries (what :class:`UlyssesAttention`
+    reads).  ``cu_seqlens_*_padded = [0, total]`` and ``max_seqlen = total`` make
+    Megatron's THD RoPE treat the stream as one sequence, so each token gets its
+    stream position, sliced exactly like the tokens.  RoPE scores depend only on the
+    *difference* of two positions, and attention never crosses a document, so this equals
+    per-document positions (``--reset-position-ids``) exactly in real arithmetic."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = cu_seqlens.to(torch.int32)
+    total = int(cu[-1]) if total is None else total
+    whole = torch.tensor([0, total], dtype=torch.int32, device=cu.device)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=whole,
+                           cu_seqlens_kv_padded=whole, max_seqlen_q=total, max_seqlen_kv=total)
+
+
+def reset_position_ids(batch: Dict[str, torch.Tensor], eod_token_id: int) -> Dict[str, torch.Tensor]:
+    """``position_ids`` restarting after every ``eod`` token (Megatron-LM's
+    ``--reset-position-ids``).  Only learned absolute embeddings read them: RoPE scores depend
+    on position differences, which are the same within a document either way."""
+    from ..ring import document_ids
+
+    b, s = batch["tokens"].shape
+    pos = []
+    for i in range(b):
+        cu = document_boundaries(batch["tokens"][i:i + 1], eod_token_id).long()
+        pos.append(torch.arange(s) - cu[document_ids(cu, s)])
+    return dict(batch, position_ids=torch.stack(pos))
+
+
+def pack_batch(batch: Dict[str, torch.Tensor], eod_token_id: int, *, reset_positions: bool = True) -> Dict[str, torch.Tensor]:
+    """A micro-batch ``[b, s]`` -> one packed stream ``[1, b*s]`` with ``cu_seqlens`` from
+    the ``eod`` tokens and sample ends (no attention mask; positions restart per document
+    unless ``reset_positions=False``)."""
+    cu = document_boundaries(batch["tokens"], eod_token_id)
+    out = {k: (v.reshape(1, -1) if k in SEQ_KEYS and v is not None else v) for k, v in batch.items()
+           if k != "attention_mask"}
+    from ..ring import document_ids
+
+    T = out["tokens"].shape[1]
+    if reset_positions:
+        out["position_ids"] = (torch.arange(T) - cu.long()[document_ids(cu, T)]).unsqueeze(0)
+    out["cu_seqlens"] = cu
+    return out
+
+
 def make_lm_batch(text: torch.Tensor, *, pad_token_id: Optional[int] = None) -> Dict[str, torch.Tensor]:
     """``text [b, s+1]`` -> tokens, labels (shifted), loss_mask, position_ids ``[b, s]``.
 
@@ -50,6 +124,9 @@ def pad_batch(batch: Dict[str, torch.Tensor], multiple: int, *, pad_token_id: in
         last = batch["position_ids"][:, -1:]
         step = torch.arange(1, extra + 1, device=last.device).unsqueeze(0)
         out["position_ids"] = torch.cat([batch["position_ids"], last + step], dim=1)
+    cu = batch.get("cu_seqlens")
+    if cu is not None:  # packed: the padding is one more (fully loss-masked) document
+        out["cu_seqlens"] = torch.cat([cu, cu.new_tensor([S + extra])])
     m = batch.get("attention_mask")
     if m is not None:
         m = torch.nn.functional.pad(m, (0, extra, 0, extra), value=True)  # True = masked
@@ -88,7 +165,8 @@ def shard_batch(
 
     ``batch``: ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` ``[b, s]`` and
     optionally ``attention_mask [b|1, 1, s, s]`` (bool, True = masked), which stays whole:
-    Ulysses attention sees the full sequence.  ``rank``/``degree`` default to this rank's
+    Ulysses attention sees the full sequence.  A packed batch (:func:`pack_batch`: b = 1,
+    ``cu_seqlens``) is sharded as one stream and gets ``packed_seq_params``.  ``rank``/``degree`` default to this rank's
     place in the sample group (Ulysses x ring cp, Megatron's CP group);
     ``load_balanced`` defaults to ``degree > 1``'s Megatron convention (True)."""
     if rank is None or degree is None:
@@ -102,6 +180,9 @@ def shard_batch(
         batch = pad_batch(batch, pad_to_multiple_of, pad_token_id=pad_token_id)
     out = {}
     for key, val in batch.items():
+        if key == "cu_seqlens":  # packed: the global boundaries stay whole, Megatron's params built here
+            out["packed_seq_params"] = packed_seq_params(val, batch["tokens"].shape[1])
+            continue
         if key in SEQ_KEYS and val is not None:
             out[key] = shard_sequence(val, rank, degree, dim=1, load_balanced=load_balanced)
         else:

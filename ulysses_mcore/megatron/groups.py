@@ -80,6 +80,7 @@ def initialize(
     global _TOPOLOGY, _RING_GROUP, _PG_COLLECTION
     _TOPOLOGY, _RING_GROUP, _PG_COLLECTION = topo, ring, None
     state.set_ulysses_group(ulysses_group)
+    state.set_ring_group(ring)
     if verbose and rank == 0:
         print(f"[ulysses-mcore] parallel axes in force: {topo.describe()}; "
               f"Megatron context-parallel size {topo.context_parallel_size} "
@@ -102,6 +103,13 @@ def _verify(topo: Topology, rank: int, ulysses_group, ring) -> None:
         checks["ulysses"] = ulysses_group
     if ring is not None:
         checks["cp"] = ring
+    if ulysses_group is not None and ring is not None:
+        # Megatron's CP rank must be ulysses rank + ulysses * ring rank (Ulysses inner): that is
+        # the shard order the dual-chunk batch slicing, RoPE slicing and the hybrid path share
+        want = dist.get_rank(ulysses_group) + topo.ulysses * dist.get_rank(ring)
+        if ps.get_context_parallel_rank() != want:
+            raise RuntimeError(f"rank {rank}: Megatron's context-parallel rank {ps.get_context_parallel_rank()} is not "
+                               f"ulysses rank + {topo.ulysses} x ring rank = {want}")
     for axes, grp in checks.items():
         got = dist.get_process_group_ranks(grp)
         want = topo.group_of(axes, rank)
@@ -189,6 +197,7 @@ def destroy() -> None:
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     state.set_ulysses_group(None)
+    state.set_ring_group(None)
     _TOPOLOGY, _RING_GROUP, _PG_COLLECTION = None, None, None
 
 

@@ -90,7 +90,8 @@ def build_optimizer(model, *, lr: float = 1e-3, min_lr: float = 0.0, weight_deca
 
 def _forward_step(data_iterator, model):
     batch = next(data_iterator)
-    out = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"])
+    out = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"],
+                packed_seq_params=batch.get("packed_seq_params"))
     return out, partial(masked_token_loss, batch["loss_mask"])
 
 
