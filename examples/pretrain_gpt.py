@@ -372,6 +372,12 @@ def train(args, topo, use_cuda):
     # a packed micro-batch is one stream of micro-batch-size x seq-length tokens
     sched_seq, sched_mbs = (seq * args.micro_batch_size, 1) if args.reset_attention_mask else (seq, args.micro_batch_size)
 
+    if args.reset_attention_mask and rank == 0:
+        first = sampler.microbatches(consumed)
+        n_docs = sum(len(pack_batch(mb, tok.eod)["cu_seqlens"]) - 1 for mb in first)
+        print(f"[ulysses-mcore] --reset-attention-mask: each micro-batch is one packed THD stream of "
+              f"{args.micro_batch_size} x {seq} tokens split at EOD (cu_seqlens, no [s, s] mask); "
+              f"{n_docs} documents in rank 0's first {len(first)} micro-batches", flush=True)
     while iteration < args.train_iters:
         t0 = time.perf_counter()
         mbs = shard(sampler.microbatches(consumed))

@@ -101,10 +101,14 @@ def _wrap_init(fn):
         u, ring = _STATE["ulysses"], _STATE["cp"]
         if u <= 1:
             state.set_ulysses_group(None)
+            state.set_ring_group(ps.get_context_parallel_group() if ring > 1 else None)
         elif ring == 1:
             state.set_ulysses_group(ps.get_context_parallel_group())
-        else:
-            state.set_ulysses_group(ps.get_hierarchical_context_parallel_groups()[0])
+            state.set_ring_group(None)
+        else:  # hybrid: Ulysses inner level, the ring outer (UlyssesAttention runs both)
+            ulysses_group, ring_group = ps.get_hierarchical_context_parallel_groups()[:2]
+            state.set_ulysses_group(ulysses_group)
+            state.set_ring_group(ring_group)
         return out
 
     initialize_model_parallel._ulysses = True

@@ -106,7 +106,16 @@ def test_construction_errors_name_the_flag():
     def packed(rank, world):
         mod = UlyssesAttention(config(4, 4, hidden=32), 1, AttnMaskType.causal, ulysses_group=dist.group.WORLD)
         x = torch.randn(4, 1, 4, 8)
-        mod(x, x, x, None, packed_seq_params=object())
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        mod(x, x, x, None, packed_seq_params=PackedSeqParams(qkv_format="sbhd"))
 
     errs = run_threaded_errors(2, packed)
-    assert all(isinstance(e, ValueError) and "packed" in str(e) for e in errs)
+    assert all(isinstance(e, ValueError) and "'thd' format only" in str(e) for e in errs), errs
+
+    def ring_mismatch(rank, world):  # Megatron's CP size 4 but only a Ulysses group of 2 and no ring
+        UlyssesAttention(config(4, 4, hidden=32, context_parallel_size=4), 1, AttnMaskType.causal,
+                         ulysses_group=dist.group.WORLD)
+
+    errs = run_threaded_errors(2, ring_mismatch)
+    assert all(isinstance(e, ValueError) and "--ulysses-degree x --context-parallel-size" in str(e) for e in errs), errs

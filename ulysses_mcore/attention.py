@@ -261,7 +261,7 @@ class UlyssesAttention(MegatronModule):
         self.degree = 1 if self.group is None else dist.get_world_size(self.group)
         self.ring_group = ring_group if ring_group is not None else state.get_ring_group()
         self.ring = 1 if self.ring_group is None else dist.get_world_size(self.ring_group)
-        if cp_size != self.degree * self.ring:
+        if (cp_size > 1 or self.ring > 1) and cp_size != self.degree * self.ring:
             raise ValueError(
                 f"config.context_parallel_size={cp_size} but the Ulysses group has {self.degree} ranks and the "
                 f"ring {self.ring}: Megatron's context-parallel size must be --ulysses-degree x "
