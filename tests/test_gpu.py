@@ -63,3 +63,74 @@ def test_nccl_world():
         pytest.skip(f"needs {P} GPUs")
     os.environ["ULYSSES_TEST_BACKEND"] = "nccl"
     assert max(run_spawned(P, _nccl_world, "sdpa")) < 3e-2
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flash", "te"])
+def test_packed_varlen_kernel_on_gpu_matches_float64(backend):
+    """THD with global cu_seqlens on one GPU (group of one): the varlen path of each kernel."""
+    from ulysses_mcore import backends, ulysses_attention
+    from ulysses_mcore.megatron.batch import document_mask
+
+    if backends.backend_error(backend):
+        pytest.skip(backends.backend_error(backend))
+    q, k, v, dout = (t[:, 0].cuda() for t in _inputs(S=512, b=1))
+    cu = torch.tensor([0, 100, 101, 333, 512], dtype=torch.int32)
+    qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
+    out = ulysses_attention(qs, ks, vs, group=None, causal=True, backend=backend, layout="thd", cu_seqlens=cu)
+    out.backward(dout)
+    qr, kr, vr = (t.double().cpu().unsqueeze(1).requires_grad_() for t in (q, k, v))
+    ref = reference_attention(qr, kr, vr, causal=True, attention_mask=document_mask(cu, 512))
+    ref.backward(dout.double().cpu().unsqueeze(1))
+    for a, r in zip((out, qs.grad, ks.grad, vs.grad), (ref, qr.grad, kr.grad, vr.grad)):
+        r = r.squeeze(1)
+        assert ((a.double().cpu() - r).abs().max() / r.abs().max()).item() < 3e-2
+
+
+def _nccl_hybrid_world(rank, world, backend):
+    """Ulysses 2 x ring (world / 2) on NCCL: the LSE ring (sdpa) or TE's p2p ring (te)."""
+    import torch.distributed as dist
+
+    from ulysses_mcore import ulysses_attention
+    from ulysses_mcore.ring import ring_segments
+
+    torch.cuda.set_device(rank)
+    U, C = 2, world // 2
+    ug = rg = None
+    for j in range(C):
+        g = dist.new_group([u + U * j for u in range(U)])
+        ug = g if rank // U == j else ug
+    for u in range(U):
+        g = dist.new_group([u + U * j for j in range(C)])
+        rg = g if rank % U == u else rg
+    S = 256 * world
+    q, k, v, dout = (t.cuda() for t in _inputs(S=S))
+
+    def shard(t):
+        return torch.cat([t[s:s + n] for s, n in ring_segments(rank, world, S, "load_balanced")])
+
+    qs, ks, vs = (shard(t).clone().requires_grad_() for t in (q, k, v))
+    out = ulysses_attention(qs, ks, vs, group=ug, ring_group=rg, causal=True, backend=backend,
+                            token_order="load_balanced")
+    out.backward(shard(dout))
+    qr, kr, vr = (t.double().cpu().requires_grad_() for t in (q, k, v))
+    ref = reference_attention(qr, kr, vr, causal=True)
+    ref.backward(dout.double().cpu())
+    errs = []
+    for a, r in zip((out, qs.grad, ks.grad, vs.grad), (ref, qr.grad, kr.grad, vr.grad)):
+        r = shard(r)
+        errs.append(((a.double().cpu() - r).abs().max() / r.abs().max()).item())
+    return max(errs)
+
+
+@pytest.mark.skipif(int(os.environ.get("ULYSSES_GPU_WORLD", "0")) < 4, reason="set ULYSSES_GPU_WORLD=4 on a node with 4+ GPUs")
+@pytest.mark.parametrize("backend", ["sdpa", "te"])
+def test_nccl_hybrid_world(backend):
+    from ulysses_mcore import backends
+
+    if backends.backend_error(backend):
+        pytest.skip(backends.backend_error(backend))
+    P = int(os.environ["ULYSSES_GPU_WORLD"])
+    if torch.cuda.device_count() < P:
+        pytest.skip(f"needs {P} GPUs")
+    os.environ["ULYSSES_TEST_BACKEND"] = "nccl"
+    assert max(run_spawned(P, _nccl_hybrid_world, backend)) < 3e-2
