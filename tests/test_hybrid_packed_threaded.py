@@ -44,9 +44,10 @@ def doc_mask(cu, S):
     return (d[:, None] != d[None, :])[None, None]
 
 
-def run_hybrid(U, C, S, b, hq, hk, d, layout, causal, order, mask=False, bias=False, cu=None, backend="sdpa"):
+def run_hybrid(U, C, S, b, hq, hk, d, layout, causal, order, mask=False, bias=False, cu=None, backend="sdpa",
+               dtype=torch.float32):
     thd = cu is not None
-    q, k, v, dout, m, bi = make_inputs(U * 100 + C * 10 + hq, S, b, hq, hk, d, layout, mask=mask, bias=bias)
+    q, k, v, dout, m, bi = make_inputs(U * 100 + C * 10 + hq, S, b, hq, hk, d, layout, dtype, mask=mask, bias=bias)
     sd = 0 if layout == "sbhd" else 1
     if thd:  # packed stream: [t, h, d]
         q, k, v, dout = (t[:, 0] for t in (q, k, v, dout))
@@ -91,6 +92,11 @@ def test_hybrid_matches_float64(case):
     U, C, S, b, hq, hk, d, layout, causal, order, mb = case
     errs = run_hybrid(U, C, S, b, hq, hk, d, layout, causal, order, mask=mb, bias=mb)
     assert max(errs) < FP32_RTOL, f"rel errors out, dq, dk, dv = {errs}"
+
+
+def test_hybrid_bf16():
+    errs = run_hybrid(2, 2, 64, 2, 4, 2, 16, "sbhd", True, "load_balanced", dtype=torch.bfloat16)
+    assert max(errs) < 2e-2, errs
 
 
 PACKED = [

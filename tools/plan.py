@@ -80,6 +80,9 @@ def estimate(*, num_layers, hidden_size, num_attention_heads, num_query_groups=N
     qkv_local = s_local * b * P * (q_heads_rank + 2 * kv_rank) * d * act
     out_local = s_local * b * hq * d * act
     a2a_layer = 2 * (P - 1) / P * (qkv_local + out_local) if P > 1 else 0.0
+    # ---- ring shifts per rank (hybrid, cp > 1): k/v of this rank's heads over its ring shard
+    kv_blk = 2 * s_local * P * b * kv_rank * d * act
+    ring_layer = (3 * cp - 2) * kv_blk if cp > 1 else 0.0  # fwd cp-1; bwd cp-1 k/v + cp dk/dv
     return {
         "params_per_rank": params,
         "weights_bytes": w_bytes,
@@ -90,6 +93,7 @@ def estimate(*, num_layers, hidden_size, num_attention_heads, num_query_groups=N
         "tokens_per_rank": s_local,
         "a2a_bytes_per_layer": a2a_layer,
         "a2a_bytes_per_step": a2a_layer * L,
+        "ring_bytes_per_layer": ring_layer,
     }
 
 
@@ -151,7 +155,8 @@ def main(argv=None):
           f"Adam {est['optimizer_bytes'] / gb:.2f} GB, activations {est['activations_bytes'] / gb:.2f} GB "
           f"-> {est['total_bytes'] / gb:.2f} GB")
     print(f"  tokens per rank {est['tokens_per_rank']}; all-to-all sent per rank: "
-          f"{est['a2a_bytes_per_layer'] / 1e6:.1f} MB per layer, {est['a2a_bytes_per_step'] / gb:.2f} GB per micro-batch")
+          f"{est['a2a_bytes_per_layer'] / 1e6:.1f} MB per layer, {est['a2a_bytes_per_step'] / gb:.2f} GB per micro-batch"
+          + (f"; ring shifts {est['ring_bytes_per_layer'] / 1e6:.1f} MB per layer" if a.cp > 1 else ""))
     if a.budget_gb:
         print(f"longest sequence in {a.budget_gb} GB per rank:")
         for u, s in out["longest_sequence"].items():
