@@ -6,6 +6,11 @@ the ``cp`` group so every query meets every key.  On GPU the same job is Transfo
 Engine's p2p context parallelism (``backend="te"``); this module is the portable version
 (CPU/gloo, or any backend), written with plain matmuls so it is exact and testable here.
 
+Blocks without a mask, bias or document boundary run through torch's fused CPU flash kernel
+(``_scaled_dot_product_flash_attention_for_cpu``, which returns the log-sum-exp the merge
+needs, and its backward fed the final output and log-sum-exp); the rest, and other devices
+and dtypes, through the matmul form below.
+
 Token order: ring rank ``j`` of ``C`` holds chunks ``j`` and ``2C-1-j`` of ``2C`` equal
 chunks (``"load_balanced"``, Megatron's dual-chunk order: every rank gets the same causal
 work) or chunk ``j`` of ``C`` (``"contiguous"``).  A rank's tokens are a few *segments* of
@@ -88,6 +93,15 @@ class _Block:
         self.causal_part = causal and not self.skip and ks + kn - 1 > qs
         self.scale, self.mask, self.bias = scale, mask, bias
 
+    def fused(self, q) -> bool:
+        """Whether torch's fused CPU flash kernel can take this block: fp32 on the CPU, no mask,
+        bias or document boundary inside it, and causal only on an aligned diagonal block."""
+        if _CPU_FLASH is None or q.device.type != "cpu" or q.dtype != torch.float32:
+            return False
+        if self.mask is not None or self.bias is not None or self.docs is not None:
+            return False
+        return not self.causal_part or (self.qs == self.ks and self.qn == self.kn)
+
     def scores(self, q, k):
         """``q [b, hk, g, qn, d]``, ``k [b, hk, 1, kn, d]`` -> ``[b, hk, g, qn, kn]``, -inf where masked."""
         s = torch.matmul(q, k.transpose(-1, -2)) * self.scale
@@ -109,6 +123,35 @@ class _Block:
         if allowed is not None:
             s = s.masked_fill(~allowed, float("-inf"))
         return s
+
+
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_CPU_FLASH_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+def _expand4(t, g):
+    """``[b, hk, 1, n, d]`` -> ``[b, hk*g, n, d]`` (kv heads repeated for their query heads)."""
+    b, hk, _, n, d = t.shape
+    return t.expand(b, hk, g, n, d).reshape(b, hk * g, n, d)
+
+
+def _fused_forward(q, k, v, blk):
+    """One block through torch's fused CPU flash kernel: (out, lse) like the matmul path."""
+    b, hk, g, n, d = q.shape
+    out, lse = _CPU_FLASH(q.reshape(b, hk * g, n, d), _expand4(k, g), _expand4(v, g), 0.0, blk.causal_part,
+                          scale=blk.scale)
+    return out.view(b, hk, g, n, d), lse.view(b, hk, g, n)
+
+
+def _fused_backward(do, q, k, v, out, lse, blk):
+    """Gradients of one block given the *final* out and lse (exact for a block of a ring)."""
+    b, hk, g, n, d = q.shape
+    flat = lambda t: t.reshape(b, hk * g, *t.shape[3:])  # noqa: E731
+    gq, gk, gv = _CPU_FLASH_BWD(flat(do), flat(q), _expand4(k, g), _expand4(v, g), flat(out),
+                                flat(lse).contiguous(), 0.0, blk.causal_part, scale=blk.scale)
+    kn = k.shape[3]
+    return (gq.view(b, hk, g, n, d), gk.view(b, hk, g, kn, d).sum(2, keepdim=True),
+            gv.view(b, hk, g, kn, d).sum(2, keepdim=True))
 
 
 def _heads5(t: torch.Tensor, hk: int, g: int) -> torch.Tensor:
@@ -146,10 +189,13 @@ class RingAttention(torch.autograd.Function):
                     blk = _Block(qseg, kseg, causal, scale, mask, bias, docs)
                     if not blk.skip:
                         rq, rk = slice(qoff, qoff + qseg[1]), slice(koff, koff + kseg[1])
-                        s = blk.scores(qa[..., rq, :], ka[..., rk, :])
-                        b_lse = torch.logsumexp(s, dim=-1)
-                        p = _safe_exp_diff(s, b_lse[..., None])
-                        b_out = torch.matmul(p, va[..., rk, :])
+                        if blk.fused(qa):
+                            b_out, b_lse = _fused_forward(qa[..., rq, :], ka[..., rk, :], va[..., rk, :], blk)
+                        else:
+                            s = blk.scores(qa[..., rq, :], ka[..., rk, :])
+                            b_lse = torch.logsumexp(s, dim=-1)
+                            p = _safe_exp_diff(s, b_lse[..., None])
+                            b_out = torch.matmul(p, va[..., rk, :])
                         new = torch.logaddexp(lse[..., rq], b_lse)
                         out[..., rq, :] = (out[..., rq, :] * _safe_exp_diff(lse[..., rq], new)[..., None]
                                            + b_out * _safe_exp_diff(b_lse, new)[..., None])
@@ -189,6 +235,14 @@ class RingAttention(torch.autograd.Function):
                     blk = _Block(qseg, kseg, causal, scale, ctx.mask, ctx.bias, ctx.docs)
                     if not blk.skip:
                         rq = slice(qoff, qoff + qseg[1])
+                        if blk.fused(qa):  # the fused kernel's backward, fed the final out and lse
+                            gq, gk, gv = _fused_backward(do[..., rq, :], qa[..., rq, :], ka[..., rk, :],
+                                                         va[..., rk, :], out[..., rq, :], lse[..., rq], blk)
+                            dq[..., rq, :] += gq
+                            dkv[0][..., rk, :] += gk
+                            dkv[1][..., rk, :] += gv
+                            qoff += qseg[1]
+                            continue
                         # 2. recompute probabilities with the final lse
                         s = blk.scores(qa[..., rq, :], ka[..., rk, :])
                         p = _safe_exp_diff(s, lse[..., rq, None])
