@@ -113,6 +113,19 @@ def test_construction_errors_name_the_flag():
     errs = run_threaded_errors(2, packed)
     assert all(isinstance(e, ValueError) and "'thd' format only" in str(e) for e in errs), errs
 
+    def te_layout(rank, world):  # TE's per-document padded THD CP layout: refused, never misread
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        mod = UlyssesAttention(config(4, 4, hidden=32, context_parallel_size=2), 1, AttnMaskType.causal,
+                               ulysses_group=dist.group.WORLD)
+        cu = torch.tensor([0, 4, 8], dtype=torch.int32)
+        x = torch.randn(4, 4, 8)
+        mod(x, x, x, None, packed_seq_params=PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                                             cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu))
+
+    errs = run_threaded_errors(2, te_layout)
+    assert all(isinstance(e, ValueError) and "per-document THD" in str(e) for e in errs), errs
+
     def ring_mismatch(rank, world):  # Megatron's CP size 4 but only a Ulysses group of 2 and no ring
         UlyssesAttention(config(4, 4, hidden=32, context_parallel_size=4), 1, AttnMaskType.causal,
                          ulysses_group=dist.group.WORLD)

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Per-rank memory of a GPTModel forward+backward against sequence length, at ulysses 1, 2, 4.
 
-    python tools/bench_memory.py [--degrees 1,2,4] [--seq 1024,2048,4096,8192] [--out docs/perf]
+    python tools/bench_memory.py [--degrees 1,2,4,2x2] [--seq 1024,2048,4096,8192] [--out docs/perf]
 
-For each degree P, a gloo world of P ranks (dp 1) builds Megatron's GPTModel from the Ulysses
+For each degree P (or ``UxC``: Ulysses U x ring cp C, P = U*C), a gloo world of P ranks (dp 1) builds Megatron's GPTModel from the Ulysses
 local spec and runs one forward+backward on one sequence.  Measured per rank, exactly:
 
 * activations: the bytes autograd saves for backward (unique storages seen by a
@@ -30,7 +30,7 @@ MODEL = dict(num_layers=4, hidden_size=256, ffn_hidden_size=1024, num_attention_
 VOCAB = 512
 
 
-def _worker(rank, world, port, seqs, queue):
+def _worker(rank, world, port, seqs, queue, ring=1):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     import warnings
 
@@ -48,7 +48,7 @@ def _worker(rank, world, port, seqs, queue):
     from ulysses_mcore.megatron import training
     from ulysses_mcore.megatron.batch import make_lm_batch, shard_batch
 
-    ulysses_mcore.initialize(ulysses=world, verbose=False)
+    ulysses_mcore.initialize(ulysses=world // ring, cp=ring, verbose=False)
     torch.manual_seed(0)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
     cfg = training.gpt_config(**MODEL)
@@ -74,7 +74,7 @@ def _worker(rank, world, port, seqs, queue):
             loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]).sum()
         act = sum(seen.values())
         loss.backward()
-        rows.append({"seq": S, "degree": world, "activations_bytes": act, "weights_bytes": w_bytes,
+        rows.append({"seq": S, "degree": world, "ulysses": world // ring, "cp": ring, "activations_bytes": act, "weights_bytes": w_bytes,
                      "grads_bytes": g_bytes})
     if rank == 0:
         queue.put(rows)
@@ -94,28 +94,30 @@ def main(argv=None):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from plan import estimate, longest_sequence
 
-    degrees = [int(x) for x in a.degrees.split(",")]
+    splits = [tuple(int(v) for v in x.split("x")) if "x" in x else (int(x), 1) for x in a.degrees.split(",")]
+    degrees = sorted({u for u, c in splits if c == 1})
     seqs = [int(x) for x in a.seq.split(",")]
     rows = []
-    for P in degrees:
-        print(f"measuring ulysses {P} ...", file=sys.stderr, flush=True)
+    for U, C in splits:
+        P = U * C
+        print(f"measuring ulysses {U} x cp {C} ...", file=sys.stderr, flush=True)
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
         ctx = mp.get_context("spawn")
         queue = ctx.SimpleQueue()
-        procs = [ctx.Process(target=_worker, args=(r, P, port, seqs, queue)) for r in range(P)]
+        procs = [ctx.Process(target=_worker, args=(r, P, port, seqs, queue, C)) for r in range(P)]
         for pr in procs:
             pr.start()
         for pr in procs:
             pr.join()
         if any(pr.exitcode for pr in procs):
-            print(f"error: a rank failed at ulysses {P}", file=sys.stderr)
+            print(f"error: a rank failed at ulysses {U} x cp {C}", file=sys.stderr)
             return 1
         rows += queue.get()
     base1 = {r["seq"]: r["activations_bytes"] for r in rows if r["degree"] == 1}
     for r in rows:
-        est = estimate(seq_length=r["seq"], ulysses=r["degree"], vocab_size=VOCAB, **MODEL)
+        est = estimate(seq_length=r["seq"], ulysses=r["ulysses"], cp=r["cp"], vocab_size=VOCAB, **MODEL)
         r["plan_activations_bytes"] = est["activations_bytes"]
         r["plan_error"] = est["activations_bytes"] / r["activations_bytes"] - 1
         if r["seq"] in base1:
@@ -131,11 +133,11 @@ def main(argv=None):
     lines = [f"GPTModel {MODEL}, vocab {VOCAB}, fp32, batch 1, local spec + Ulysses SDPA, gloo on CPU; "
              "per-rank bytes saved for backward (exact, unique storages), weights "
              f"{rows[0]['weights_bytes'] / 1e6:.1f} MB + grads {rows[0]['grads_bytes'] / 1e6:.1f} MB per rank at every degree.", "",
-             "| seq | ulysses | activations / rank (MB) | reduction vs ulysses 1 | x P | plan (MB) | plan error |",
+             "| seq | ulysses x cp | activations / rank (MB) | reduction vs 1 rank | / (ulysses x cp) | plan (MB) | plan error |",
              "|---|---|---|---|---|---|---|"]
-    for r in sorted(rows, key=lambda r: (r["seq"], r["degree"])):
+    for r in sorted(rows, key=lambda r: (r["seq"], r["degree"], -r["ulysses"])):
         red = r.get("reduction")
-        lines.append(f"| {r['seq']} | {r['degree']} | {r['activations_bytes'] / 1e6:.1f} | "
+        lines.append(f"| {r['seq']} | {r['ulysses']} x {r['cp']} | {r['activations_bytes'] / 1e6:.1f} | "
                      f"{red:.2f} | {red / r['degree']:.3f} | {r['plan_activations_bytes'] / 1e6:.1f} | "
                      f"{100 * r['plan_error']:+.1f}% |" if red else "")
     lines += ["", f"Longest sequence in {a.budget_gb} GB per rank (plan: weights + grads + Adam + activations): "
@@ -149,9 +151,10 @@ def main(argv=None):
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(6.5, 4))
-        for P in degrees:
-            rs = sorted((r for r in rows if r["degree"] == P), key=lambda r: r["seq"])
-            ax.plot([r["seq"] for r in rs], [r["activations_bytes"] / 1e6 for r in rs], "o-", label=f"ulysses {P}")
+        for U, C in splits:
+            rs = sorted((r for r in rows if (r["ulysses"], r["cp"]) == (U, C)), key=lambda r: r["seq"])
+            ax.plot([r["seq"] for r in rs], [r["activations_bytes"] / 1e6 for r in rs], "o-" if C == 1 else "s--",
+                    label=f"ulysses {U}" + (f" x cp {C}" if C > 1 else ""))
             ax.plot([r["seq"] for r in rs], [r["plan_activations_bytes"] / 1e6 for r in rs], "x:", color="gray")
         ax.set(xscale="log", yscale="log", xlabel="sequence length", ylabel="activation MB per rank",
                title="activation memory per rank (x: plan.py)")

@@ -322,6 +322,20 @@ class UlyssesAttention(MegatronModule):
                     "packed stream) equal to cu_seqlens_kv for self-attention; build it with "
                     "ulysses_mcore.megatron.batch.packed_seq_params()"
                 )
+            padded = packed_seq_params.cu_seqlens_q_padded
+            total = query.shape[0] * self.degree * self.ring
+            whole = padded is not None and padded.numel() == 2 and int(padded[0]) == 0 and int(padded[-1]) == total
+            if self.degree * self.ring > 1 and not whole:
+                # Transformer Engine's THD context-parallel layout pads every document to 2 x CP and
+                # deals each one out in dual chunks; Megatron's RoPE follows it.  Here the *stream*
+                # is sharded, so that layout would be read wrongly -- refuse it rather than guess.
+                raise ValueError(
+                    "UlyssesAttention: packed_seq_params look like Transformer Engine's per-document THD "
+                    f"context-parallel layout (cu_seqlens_q_padded={None if padded is None else padded.tolist()}); "
+                    f"Ulysses shards the packed stream as a whole ({total} tokens over context-parallel size "
+                    f"{self.degree * self.ring}): build the batch with ulysses_mcore.megatron.batch.pack_batch + "
+                    "shard_batch, whose packed_seq_params carry cu_seqlens_*_padded = [0, total]"
+                )
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
         mask = None if mask_type in (AttnMaskType.causal, AttnMaskType.no_mask) or cu is not None else attention_mask
