@@ -129,6 +129,37 @@ def test_packed_thd_matches_float64(case):
     assert max(errs) < FP32_RTOL, f"rel errors out, dq, dk, dv = {errs}"
 
 
+@pytest.mark.parametrize("P,hq,hk", [(2, 4, 4), (4, 8, 2), (4, 7, 7)])
+def test_packed_per_document_layout_matches_float64(P, hq, hk):
+    """token_order='per_document': Transformer Engine's / Megatron-LM's THD CP layout, every
+    document (length a multiple of 2P) dealt out in dual chunks."""
+    from ulysses_mcore.attention import per_document_order
+
+    cu = torch.tensor([0, 2 * P, 2 * P, 8 * P, 10 * P], dtype=torch.int32)  # an empty document too
+    T = int(cu[-1])
+    q, k, v, dout, _, _ = make_inputs(P + hq, T, 1, hq, hk, 8, "sbhd")
+    q, k, v, dout = (t[:, 0] for t in (q, k, v, dout))
+    order = per_document_order(cu, P)
+    n = T // P
+
+    def rank_fn(rank, world):
+        qs, ks, vs = (t[order[rank * n:(rank + 1) * n]].clone().requires_grad_() for t in (q, k, v))
+        out = ulysses_mcore.ulysses_attention(qs, ks, vs, group=dist.group.WORLD, causal=True, layout="thd",
+                                              cu_seqlens=cu, token_order="per_document")
+        out.backward(dout[order[rank * n:(rank + 1) * n]])
+        return out.detach(), qs.grad, ks.grad, vs.grad
+
+    res = run_threaded(P, rank_fn)
+    qr, kr, vr = (t.double().unsqueeze(1).requires_grad_() for t in (q, k, v))
+    ref = reference_attention(qr, kr, vr, causal=True, attention_mask=doc_mask(cu, T))
+    ref.backward(dout.double().unsqueeze(1))
+    for i, want in enumerate((ref.detach(), qr.grad, kr.grad, vr.grad)):
+        got = torch.cat([r[i] for r in res])
+        assert rel_err(got, want.squeeze(1)[order]) < FP32_RTOL
+    # the partition itself: rank 0 holds chunks 0 and 2P-1 of the first document (chunks of 1 token)
+    assert order[:2].tolist() == [0, 2 * P - 1]
+
+
 def test_ring_collectives_and_block_skipping():
     """Forward: C-1 ring shifts; backward: 2C-1 (kv passes + the gradients' trip home)."""
     U, C, S = 1, 4, 32
@@ -195,7 +226,20 @@ def test_packed_bad_input():
                        (torch.tensor([1, 5, 16]), "must start at 0"), (torch.tensor([0, 9, 5, 16]), "never decrease")]:
         errs = run_threaded_errors(2, fn, cu)
         assert all(isinstance(e, ValueError) and needle in str(e) for e in errs), (needle, errs)
+    def per_doc(rank, world, cu):
+        t = torch.randn(8, 4, 8)
+        ulysses_mcore.ulysses_attention(t, t, t, group=dist.group.WORLD, causal=True, layout="thd",
+                                        cu_seqlens=cu, token_order="per_document")
+    errs = run_threaded_errors(2, per_doc, torch.tensor([0, 6, 16]))
+    assert all(isinstance(e, ValueError) and "multiple of 4" in str(e) for e in errs), errs
     errs = run_threaded_errors(2, fn, torch.tensor([0, 16]), torch.zeros(1, 1, 16, 16, dtype=torch.bool))
     assert all(isinstance(e, ValueError) and "takes no attention_mask" in str(e) for e in errs), errs
+    def per_doc_ring(rank, world):
+        ug, rg = hybrid_groups(rank, 2, 2)
+        t = torch.randn(8, 4, 8)
+        ulysses_mcore.ulysses_attention(t, t, t, group=ug, ring_group=rg, causal=True, layout="thd",
+                                        cu_seqlens=torch.tensor([0, 32]), token_order="per_document")
+    errs = run_threaded_errors(4, per_doc_ring)
+    assert all(isinstance(e, ValueError) and "does not combine with a ring" in str(e) for e in errs), errs
     vec = checks.describe(*(torch.empty(8, 1, 4, 8),) * 3, layout="sbhd", backend="sdpa", causal=True)
     assert len(vec) == checks.VECTOR_LEN

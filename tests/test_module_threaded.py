@@ -113,22 +113,57 @@ def test_construction_errors_name_the_flag():
     errs = run_threaded_errors(2, packed)
     assert all(isinstance(e, ValueError) and "'thd' format only" in str(e) for e in errs), errs
 
-    def te_layout(rank, world):  # TE's per-document padded THD CP layout: refused, never misread
-        from megatron.core.packed_seq_params import PackedSeqParams
-
-        mod = UlyssesAttention(config(4, 4, hidden=32, context_parallel_size=2), 1, AttnMaskType.causal,
-                               ulysses_group=dist.group.WORLD)
-        cu = torch.tensor([0, 4, 8], dtype=torch.int32)
-        x = torch.randn(4, 4, 8)
-        mod(x, x, x, None, packed_seq_params=PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                                             cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu))
-
-    errs = run_threaded_errors(2, te_layout)
-    assert all(isinstance(e, ValueError) and "per-document THD" in str(e) for e in errs), errs
-
     def ring_mismatch(rank, world):  # Megatron's CP size 4 but only a Ulysses group of 2 and no ring
         UlyssesAttention(config(4, 4, hidden=32, context_parallel_size=4), 1, AttnMaskType.causal,
                          ulysses_group=dist.group.WORLD)
 
     errs = run_threaded_errors(2, ring_mismatch)
     assert all(isinstance(e, ValueError) and "--ulysses-degree x --context-parallel-size" in str(e) for e in errs), errs
+
+
+def test_megatron_per_document_thd_layout():
+    """Megatron-LM / TE's THD context-parallel batches (every document padded to 2 x CP, dealt
+    out in dual chunks per document, cu_seqlens_q_padded) give exact attention."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from ulysses_mcore.megatron.batch import document_mask
+
+    P, heads, d = 2, 4, 8
+    real = [5, 11, 3]                      # document lengths
+    padded = [8, 12, 4]                    # each padded to a multiple of 2P = 4
+    cu_pad = torch.tensor([0, 8, 20, 24], dtype=torch.int32)
+    cu_real = torch.tensor([0, 5, 16, 19], dtype=torch.int32)
+    T = int(cu_pad[-1])
+    g = torch.Generator().manual_seed(11)
+    q, k, v, dout = (torch.randn(T, heads, d, generator=g) for _ in range(4))
+
+    def te_shard(t, r):  # chunks r and 2P-1-r of every padded document, documents in order
+        parts = []
+        for lo, n in zip(cu_pad[:-1].tolist(), padded):
+            c = n // (2 * P)
+            parts += [t[lo + r * c: lo + (r + 1) * c], t[lo + (2 * P - 1 - r) * c: lo + (2 * P - r) * c]]
+        return torch.cat(parts)
+
+    def rank_fn(rank, world):
+        mod = UlyssesAttention(config(heads, heads, hidden=heads * d, context_parallel_size=P), 1,
+                               AttnMaskType.causal, ulysses_group=dist.group.WORLD)
+        qs, ks, vs = (te_shard(t, rank).clone().requires_grad_() for t in (q, k, v))
+        psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_real, cu_seqlens_kv=cu_real,
+                              cu_seqlens_q_padded=cu_pad, cu_seqlens_kv_padded=cu_pad)
+        out = mod(qs, ks, vs, None, packed_seq_params=psp)
+        out.backward(te_shard(dout, rank).reshape(out.shape))
+        return out.detach().view(-1, heads, d), qs.grad, ks.grad, vs.grad
+
+    res = run_threaded(P, rank_fn)
+    qr, kr, vr = (t.double().unsqueeze(1).requires_grad_() for t in (q, k, v))
+    ref = reference_attention(qr, kr, vr, causal=True, attention_mask=document_mask(cu_pad, T))
+    ref.backward(dout.double().unsqueeze(1))
+    real_rows = torch.cat([torch.arange(lo, lo + n) for lo, n in zip(cu_pad[:-1].tolist(), real)])
+    for i, want in enumerate((ref.detach(), qr.grad, kr.grad, vr.grad)):
+        want = want.squeeze(1)
+        got = torch.zeros_like(want)
+        for r in range(P):  # scatter each rank's shard back to its natural positions
+            idx = te_shard(torch.arange(T), r)
+            got[idx] = res[r][i].double()
+        err = ((got - want)[real_rows].abs().max() / want[real_rows].abs().max()).item()
+        assert err < 1e-5, (i, err)

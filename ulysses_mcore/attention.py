@@ -26,6 +26,21 @@ def load_balanced_permutation(degree: int) -> List[int]:
     return [p // 2 if p % 2 == 0 else 2 * degree - 1 - p // 2 for p in range(2 * degree)]
 
 
+def per_document_order(cu_seqlens: torch.Tensor, degree: int) -> torch.Tensor:
+    """Transformer Engine's / Megatron's THD context-parallel layout: every document (length a
+    multiple of ``2P``) is cut into ``2P`` chunks and rank ``r`` holds chunks ``r`` and
+    ``2P-1-r`` of each, documents in order.  Returns the natural position of each token of
+    the concatenation of ranks ``0 .. P-1`` (what the all-to-all delivers)."""
+    bounds = cu_seqlens.tolist()
+    order = []
+    for r in range(degree):
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            c = (hi - lo) // (2 * degree)
+            for j in (r, 2 * degree - 1 - r):
+                order.extend(range(lo + j * c, lo + (j + 1) * c))
+    return torch.tensor(order, dtype=torch.long)
+
+
 def _reorder_chunks(t: torch.Tensor, index: List[int], seq_dim: int) -> torch.Tensor:
     n = len(index)
     idx = torch.tensor(index, device=t.device)
@@ -79,6 +94,11 @@ def ulysses_attention(
     all-to-all each rank holds ring shard ``j`` for its heads and ring attention
     (:mod:`ulysses_mcore.ring`, or Transformer Engine's p2p ring with ``backend="te"``)
     covers the rest.  ``token_order`` is then over the ``2PC`` (or ``PC``) chunks.
+
+    ``token_order="per_document"`` (packed input only): Transformer Engine's / Megatron-LM's
+    THD context-parallel layout -- every document padded to a multiple of ``2P`` and dealt
+    out in dual chunks (:func:`per_document_order`); ``cu_seqlens`` are then the padded
+    boundaries.
 
     ``layout="thd"`` with ``cu_seqlens`` (int ``[n+1]``, the *global* document boundaries
     of the packed stream, identical on every rank): ``query [t/P, hq, d]``, the packed
@@ -138,6 +158,10 @@ def ulysses_attention(
     seq_dim = 0 if layout == "sbhd" else 1
     perm = load_balanced_permutation(degree) if token_order == "load_balanced" else None
     inv = sorted(range(len(perm)), key=perm.__getitem__) if perm else None
+    doc_order = None
+    if token_order == "per_document":  # received position -> natural position, and back
+        doc_order = per_document_order(cu_seqlens, degree).to(query.device)
+        doc_inv = torch.argsort(doc_order)
 
     def run_kernel(q, k, v, first_head, num_heads):
         kwc = dict(kw)
@@ -147,9 +171,13 @@ def ulysses_attention(
                 kwc[name] = t[:, first_head : first_head + num_heads]
         if perm:
             q, k, v = (_reorder_chunks(t, inv, seq_dim) for t in (q, k, v))  # received -> natural
+        elif doc_order is not None:
+            q, k, v = (t.index_select(seq_dim, doc_inv) for t in (q, k, v))
         out = kernel(q, k, v, **kwc)
         if perm:
             out = _reorder_chunks(out, perm, seq_dim)  # natural -> chunks by destination rank
+        elif doc_order is not None:
+            out = out.index_select(seq_dim, doc_order)
         return out
 
     if not is_even(query.shape[2], key.shape[2], degree):
@@ -307,7 +335,7 @@ class UlyssesAttention(MegatronModule):
         attention_bias: Optional[torch.Tensor] = None,
         packed_seq_params=None,
     ) -> torch.Tensor:
-        cu = None
+        cu, order = None, self.token_order
         if packed_seq_params is not None:
             if getattr(packed_seq_params, "qkv_format", "thd") != "thd":
                 raise ValueError(
@@ -326,16 +354,18 @@ class UlyssesAttention(MegatronModule):
             total = query.shape[0] * self.degree * self.ring
             whole = padded is not None and padded.numel() == 2 and int(padded[0]) == 0 and int(padded[-1]) == total
             if self.degree * self.ring > 1 and not whole:
-                # Transformer Engine's THD context-parallel layout pads every document to 2 x CP and
-                # deals each one out in dual chunks; Megatron's RoPE follows it.  Here the *stream*
-                # is sharded, so that layout would be read wrongly -- refuse it rather than guess.
-                raise ValueError(
-                    "UlyssesAttention: packed_seq_params look like Transformer Engine's per-document THD "
-                    f"context-parallel layout (cu_seqlens_q_padded={None if padded is None else padded.tolist()}); "
-                    f"Ulysses shards the packed stream as a whole ({total} tokens over context-parallel size "
-                    f"{self.degree * self.ring}): build the batch with ulysses_mcore.megatron.batch.pack_batch + "
-                    "shard_batch, whose packed_seq_params carry cu_seqlens_*_padded = [0, total]"
-                )
+                # Transformer Engine's / Megatron-LM's THD context-parallel layout: documents (padded
+                # to 2 x CP) dealt out in dual chunks each; Megatron's RoPE follows it
+                if self.ring > 1:
+                    raise ValueError(
+                        "UlyssesAttention: packed_seq_params in Transformer Engine's per-document THD "
+                        "context-parallel layout cannot run with a ring (--context-parallel-size > 1 beside "
+                        "--ulysses-degree); build the batch with ulysses_mcore.megatron.batch.pack_batch + "
+                        "shard_batch (the stream sharded whole, cu_seqlens_*_padded = [0, total])"
+                    )
+                order = "per_document"
+            if padded is not None and not whole:
+                cu = padded  # tokens sit at their padded offsets
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
         mask = None if mask_type in (AttnMaskType.causal, AttnMaskType.no_mask) or cu is not None else attention_mask
@@ -344,7 +374,7 @@ class UlyssesAttention(MegatronModule):
             group=self.group, causal=causal, layout="thd" if cu is not None else "sbhd", backend=self.backend,
             softmax_scale=self.softmax_scale, attention_mask=mask, attention_bias=attention_bias,
             dropout_p=self.dropout_p if self.training else 0.0, check=self.check,
-            token_order=self.token_order, ring_group=self.ring_group, cu_seqlens=cu,
+            token_order=order, ring_group=self.ring_group, cu_seqlens=cu,
         )
         if cu is not None:
             return out.reshape(out.shape[0], -1)  # [t, h*d]; Megatron adds the batch dim back

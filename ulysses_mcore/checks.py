@@ -9,6 +9,7 @@ reported, with the same message, everywhere, before the data all-to-all is issue
 
 from __future__ import annotations
 
+import math
 from typing import List, Optional, Sequence
 
 import torch
@@ -47,20 +48,23 @@ def _shape4(t: Optional[torch.Tensor]) -> List[int]:
     return list(t.shape)
 
 
-TOKEN_ORDERS = ("contiguous", "load_balanced")
+TOKEN_ORDERS = ("contiguous", "load_balanced", "per_document")
 
 
 def _describe_cu(cu) -> List[int]:
-    """present, documents, total, first, nondecreasing, 1-D integer, checksum."""
+    """present, documents, total, first, nondecreasing, 1-D integer, checksum, gcd of lengths."""
     if cu is None:
-        return [0] * 7
+        return [0] * 8
     ok_kind = int(cu.dim() == 1 and not cu.is_floating_point() and cu.numel() >= 2)
     if not ok_kind:
-        return [1, 0, 0, 0, 0, 0, 0]
+        return [1, 0, 0, 0, 0, 0, 0, 0]
     c = cu.detach().to("cpu", torch.int64)
     mono = int(bool((c[1:] >= c[:-1]).all()))
     weights = torch.arange(1, c.numel() + 1, dtype=torch.int64)
-    return [1, c.numel() - 1, int(c[-1]), int(c[0]), mono, 1, int((c * weights).sum() % (1 << 40))]
+    gcd = 0
+    for n in (c[1:] - c[:-1]).tolist():
+        gcd = math.gcd(gcd, n)
+    return [1, c.numel() - 1, int(c[-1]), int(c[0]), mono, 1, int((c * weights).sum() % (1 << 40)), gcd]
 
 
 def describe(query, key, value, *, layout, backend, causal, attention_mask=None, attention_bias=None,
@@ -134,7 +138,7 @@ def _unpack(vec):
     d["overlap_chunks"] = next(it)
     for n in ("ring", "dropout", "bias_grad", "thd"):
         d[n] = next(it)
-    d["cu"] = [next(it) for _ in range(7)]
+    d["cu"] = [next(it) for _ in range(8)]
     return d
 
 
@@ -216,6 +220,17 @@ def _rank_problem(d, rank: int, degree: int) -> Optional[str]:
         return f"the sequence shard is empty {where} (length 0): every rank needs at least one token"
     if d["token_order"] >= len(TOKEN_ORDERS):
         return f"token_order {where} is unknown: use one of {list(TOKEN_ORDERS)}"
+    if d["token_order"] == 2:
+        need = 2 * degree * d["ring"]
+        if not d["thd"]:
+            return f"token_order='per_document' is for packed input (layout='thd' with cu_seqlens) {where}"
+        if d["ring"] > 1:
+            return (f"token_order='per_document' (Transformer Engine's THD layout) does not combine with a ring "
+                    f"{where}: shard the packed stream with token_order='load_balanced' instead")
+        if d["cu"][0] and d["cu"][7] % need:
+            return (f"token_order='per_document' deals every document out in {need} chunks, so every (padded) "
+                    f"document length must be a multiple of {need} {where}: pad the documents "
+                    f"(cu_seqlens_padded), or shard the stream whole with token_order='load_balanced'")
     if d["token_order"] == 1 and q["shape"][sdim] % 2:
         return (f"token_order='load_balanced' holds 2 chunks per rank, so the tokens per rank must be "
                 f"even; {where} there are {q['shape'][sdim]}: make the sequence a multiple of {2 * degree}")
