@@ -10,7 +10,9 @@ optimizer steps within 1e-5 relative, and every parameter's reduced gradient (ea
 shard against the same slice of the reference's full gradient, so all of every tensor is
 compared) within 1e-5 relative.  Hybrid Ulysses x ring configurations run on the same data;
 packed streams (THD, cu_seqlens from EOD tokens) are compared with the unsharded model fed
-Megatron-LM's dense --reset-attention-mask mask.  Negative controls: the same check with the Ulysses
+Megatron-LM's dense --reset-attention-mask mask -- both as this package shards them (the
+stream whole) and in Transformer Engine's per-document layout that Megatron-LM's THD batches
+use (te_layout_P).  Negative controls: the same check with the Ulysses
 exchange bypassed, or with labels shifted after sharding, must fail.
 """
 
@@ -190,9 +192,10 @@ def _packed_parity(ckpt_dir):
     dense = [dict(mb, attention_mask=document_mask(document_boundaries(mb["tokens"], EOD), S_PACKED)) for mb in mbs]
     ref = [_step(model, opt, dense, S_PACKED) for _ in range(STEPS)]
     out = {}
-    for cfg in PACKED_CONFIGS + ["control"]:
-        control = cfg == "control"
-        cfg = dict(ulysses=2) if control else cfg
+    for cfg in PACKED_CONFIGS + ["te_layout_2", "te_layout_4", "control"]:
+        control, te_layout = cfg == "control", str(cfg).startswith("te_layout")
+        name = f"packed {cfg}" if not (control or te_layout) else cfg
+        cfg = dict(ulysses=int(cfg[-1])) if te_layout else (dict(ulysses=2) if control else cfg)
         groups.destroy()
         ulysses_mcore.initialize(**cfg, verbose=False)
         model, opt = _build(ckpt_dir, load=True)
@@ -202,16 +205,47 @@ def _packed_parity(ckpt_dir):
         if control:  # documents ignored: one causal stream
             packed = [dict(p, cu_seqlens=p["cu_seqlens"][[0, -1]]) for p in packed]
         shards = [shard_batch(p) for p in packed]
+        if te_layout:  # Megatron-LM / TE's layout: documents padded to 2 x CP, dealt out per document
+            shards = [_te_thd_shard(mb, ps.get_context_parallel_rank(), ps.get_context_parallel_world_size())
+                      for mb in mbs[dp_rank * per:(dp_rank + 1) * per]]
         assert "packed_seq_params" in shards[0] and "attention_mask" not in shards[0]
         loss_err, grad_err = 0.0, 0.0
         for step in range(1 if control else STEPS):
             loss, grads = _step(model, opt, shards, S_PACKED)
             loss_err = max(loss_err, abs(loss - ref[step][0]) / abs(ref[step][0]))
             if step == 0:  # tp = 1: every rank holds whole gradients
-                for name, g in grads.items():
-                    want = ref[0][1][name]
+                for pname, g in grads.items():
+                    want = ref[0][1][pname]
                     grad_err = max(grad_err, ((g - want).abs().max() / want.abs().max().clamp_min(1e-12)).item())
-        out["control: packed, documents ignored" if control else f"packed {cfg}"] = {"loss": loss_err, "grad": grad_err, "later": 0.0}
+        out["control: packed, documents ignored" if control else name] = {"loss": loss_err, "grad": grad_err, "later": 0.0}
+    return out
+
+
+def _te_thd_shard(mb, rank, cp):
+    """This rank's share of a micro-batch in Transformer Engine's THD context-parallel layout, built
+    here independently: every document padded (loss-masked) to a multiple of 2 x cp, each cut in
+    2 x cp chunks, the rank taking chunks rank and 2cp-1-rank of every document."""
+    import torch
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from ulysses_mcore.megatron.batch import document_boundaries
+
+    cu = document_boundaries(mb["tokens"], EOD).tolist()
+    parts, bounds_pad = {k: [] for k in ("tokens", "labels", "loss_mask", "position_ids")}, [0]
+    for lo, hi in zip(cu[:-1], cu[1:]):
+        n = hi - lo
+        padded = -(-n // (2 * cp)) * 2 * cp
+        doc = {k: torch.cat([mb[k][0, lo:hi], mb[k].new_zeros(padded - n)]) for k in parts}
+        c = padded // (2 * cp)
+        for k in parts:
+            parts[k] += [doc[k][rank * c:(rank + 1) * c], doc[k][(2 * cp - 1 - rank) * c:(2 * cp - rank) * c]]
+        bounds_pad.append(bounds_pad[-1] + padded)
+    out = {k: torch.cat(v)[None] for k, v in parts.items()}
+    real = torch.tensor(cu, dtype=torch.int32)
+    pad = torch.tensor(bounds_pad, dtype=torch.int32)
+    out["packed_seq_params"] = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=real, cu_seqlens_kv=real, cu_seqlens_q_padded=pad, cu_seqlens_kv_padded=pad,
+        max_seqlen_q=int((pad[1:] - pad[:-1]).max()), max_seqlen_kv=int((pad[1:] - pad[:-1]).max()))
     return out
 
 
@@ -240,9 +274,9 @@ def test_gpt_parity_with_unsharded_model(tmp_path):
     for cfg in CONFIGS:
         m = merged[str(cfg)]
         assert m["loss"] < 1e-5 and m["grad"] < 1e-5, (cfg, m)
-    for cfg in PACKED_CONFIGS:
-        m = merged[f"packed {cfg}"]
-        assert m["loss"] < 1e-5 and m["grad"] < 1e-5, ("packed", cfg, m)
+    for name in [f"packed {cfg}" for cfg in PACKED_CONFIGS] + ["te_layout_2", "te_layout_4"]:
+        m = merged[name]
+        assert m["loss"] < 1e-5 and m["grad"] < 1e-5, (name, m)
     for name in ("control: late label shift", "control: exchange bypassed", "control: packed, documents ignored"):
         m = merged[name]
         assert m["loss"] > 1e-3 or m["grad"] > 1e-3, (name, m)
