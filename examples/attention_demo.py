@@ -1,6 +1,7 @@
 """Ulysses attention on a token-sharded sequence, checked against full attention.
 
     torchrun --nproc-per-node 4 examples/attention_demo.py [--seq-length 4096 --heads 16 --kv-heads 4]
+    torchrun --nproc-per-node 4 examples/attention_demo.py --ring 2     # Ulysses 2 x ring 2
 
 Each rank holds seq_length / world tokens; rank 0 prints the max relative error of the
 output and of dq, dk, dv against float64 attention over the whole sequence, and the bytes
@@ -24,6 +25,7 @@ def main():
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--no-causal", action="store_true")
+    p.add_argument("--ring", type=int, default=1, help="ring size C: Ulysses world/C x ring C (dual-chunk order)")
     args = p.parse_args()
 
     use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -36,15 +38,34 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = torch.device("cuda" if use_cuda else "cpu")
     S, b, hq, hk, d = args.seq_length, args.batch, args.heads, args.kv_heads, args.head_dim
-    if S % world:
-        raise SystemExit(f"--seq-length {S} must be divisible by the world size {world}")
+    C = args.ring
+    if world % C:
+        raise SystemExit(f"--ring {C} must divide the world size {world}")
+    U = world // C
+    order = "load_balanced" if C > 1 else "contiguous"
+    if S % (2 * world if C > 1 else world):
+        raise SystemExit(f"--seq-length {S} must be divisible by {2 * world if C > 1 else world}")
+    group, ring = dist.group.WORLD, None
+    if C > 1:  # Ulysses groups: contiguous ranks; ring groups: stride U (Megatron's hierarchical CP)
+        for j in range(C):
+            g_ = dist.new_group([u + U * j for u in range(U)])
+            group = g_ if rank // U == j else group
+        for u in range(U):
+            g_ = dist.new_group([u + U * j for j in range(C)])
+            ring = g_ if rank % U == u else ring
+        group = group if U > 1 else None
+    from ulysses_mcore.ring import ring_segments
+
+    def shard(t):
+        return torch.cat([t[s0:s0 + n] for s0, n in ring_segments(rank, world, S, order)])
+
     g = torch.Generator().manual_seed(0)
     full = [torch.randn(S, b, h, d, generator=g) for h in (hq, hk, hk, hq)]
-    q, k, v, dout = (t.chunk(world)[rank].to(dev).requires_grad_(i < 3) for i, t in enumerate(full))
+    q, k, v, dout = (shard(t).to(dev).requires_grad_(i < 3) for i, t in enumerate(full))
     causal = not args.no_causal
 
     t0 = time.perf_counter()
-    out = ulysses_mcore.ulysses_attention(q, k, v, group=dist.group.WORLD, causal=causal)
+    out = ulysses_mcore.ulysses_attention(q, k, v, group=group, ring_group=ring, causal=causal, token_order=order)
     out.backward(dout)
     elapsed = time.perf_counter() - t0
 
@@ -58,22 +79,24 @@ def main():
     ref.backward(full[3].double())
     errs = []
     for a, r in zip((out, q.grad, k.grad, v.grad), (ref, qf.grad, kf.grad, vf.grad)):
-        r = r.chunk(world)[rank]
+        r = shard(r)
         errs.append(((a.double().cpu() - r).abs().max() / r.abs().max()).item())
     worst = torch.tensor(max(errs))
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
 
-    plan = comm.HeadPlan(hq, hk, world)
+    plan = comm.HeadPlan(hq, hk, U) if comm.is_even(hq, hk, U) else comm.HeadPlan(hq, hq, 1)
     elem = torch.finfo(q.dtype).bits // 8
-    qkv_bytes = (S // world) * b * world * plan.heads_per_chunk * d * elem
+    qkv_bytes = (S // world) * b * U * plan.heads_per_chunk * d * elem
     out_bytes = (S // world) * b * hq * d * elem
-    sent = 2 * (qkv_bytes + out_bytes) * (world - 1) // world  # forward + backward, off-rank part
+    sent = 2 * (qkv_bytes + out_bytes) * (U - 1) // U  # forward + backward, off-rank part
+    ring_bytes = (3 * C - 2) * 2 * (S // C) * b * plan.kv_per_rank * d * elem if C > 1 else 0
     if rank == 0:
-        print(f"ulysses degree {world}, seq {S}, batch {b}, heads {hq} q / {hk} kv, head dim {d}, "
+        print(f"ulysses {U} x ring {C}, seq {S}, batch {b}, heads {hq} q / {hk} kv, head dim {d}, "
               f"{'causal' if causal else 'full'}, backend {'nccl' if use_cuda else 'gloo'}")
         print(f"max relative error vs float64 (out, dq, dk, dv, all ranks): {worst.item():.2e}")
         print(f"all-to-all bytes sent per rank, forward+backward: {sent / 1e6:.2f} MB "
-              f"(qkv {qkv_bytes / 1e6:.2f} MB + out {out_bytes / 1e6:.2f} MB per direction)")
+              f"(qkv {qkv_bytes / 1e6:.2f} MB + out {out_bytes / 1e6:.2f} MB per direction)"
+              + (f"; ring shifts {ring_bytes / 1e6:.2f} MB" if C > 1 else ""))
         print(f"forward+backward on rank 0: {elapsed * 1e3:.1f} ms")
     dist.destroy_process_group()
     if worst.item() > 1e-4:
