@@ -25,8 +25,9 @@ Single-rank reference (what the ring computes, per query row ``i``)::
 
 Forward: ``C`` steps; at step ``t`` rank ``j`` holds the k/v block of rank ``(j - t) % C``
 and, while it computes with it, passes it on to ``j + 1`` (an asynchronous ring shift,
-``C - 1`` in all).  Backward: the same ring with ``dk``/``dv`` accumulators travelling with
-their block, plus one last shift that brings each block's gradient home.
+``C - 1`` in all).  Backward: the same ring with ``dk``/``dv`` partial sums travelling behind
+their block (each rank adds its part and passes it on while computing the next block), plus
+one last shift that brings each block's gradient home.
 
 The shift is an ``all_to_all_single`` with split sizes (send to the next rank, receive from
 the previous one): one primitive that gloo, NCCL and the threaded test backend all have.
@@ -221,12 +222,13 @@ class RingAttention(torch.autograd.Function):
         D = (do * out).sum(-1)
         dq = torch.zeros_like(qa)
         kv = torch.stack([k, v])
-        dkv = torch.zeros(kv.shape, dtype=acc, device=k.device)
+        incoming = None  # (buffer, work): the partial dk/dv of the block computed next, in flight
         my_segs = ring_segments(me, C, seq_len, order)
         for step in range(C):
             src = (me - step) % C
             recv_kv, work_kv = _shift(kv, group) if step < C - 1 else (None, None)
             ka, va = kv[0].to(acc), kv[1].to(acc)
+            dkv = torch.zeros(kv.shape, dtype=acc, device=k.device)  # this rank's part for block src
             koff = 0
             for kseg in ring_segments(src, C, seq_len, order):
                 qoff = 0
@@ -255,13 +257,17 @@ class RingAttention(torch.autograd.Function):
                         dkv[0][..., rk, :] += (torch.matmul(ds.transpose(-1, -2), qa[..., rq, :]) * scale).sum(2, keepdim=True)
                     qoff += qseg[1]
                 koff += kseg[1]
-            # 5. the gradient of this block travels with it; the last shift brings it home
-            recv_dkv, work_dkv = _shift(dkv, group)
+            # 5. add the partial gradient the previous ranks sent for this block (it travelled
+            #    while this step computed) and pass it on; the last shift brings it home
+            if incoming is not None:
+                _wait(incoming[1])
+                dkv += incoming[0]
+            incoming = _shift(dkv, group)
             _wait(work_kv)
-            _wait(work_dkv)
-            dkv = recv_dkv
             if recv_kv is not None:
                 kv = recv_kv
+        _wait(incoming[1])
+        dkv = incoming[0]
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None, None, None
 
 
