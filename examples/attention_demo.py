@@ -45,15 +45,7 @@ def main():
     order = "load_balanced" if C > 1 else "contiguous"
     if S % (2 * world if C > 1 else world):
         raise SystemExit(f"--seq-length {S} must be divisible by {2 * world if C > 1 else world}")
-    group, ring = dist.group.WORLD, None
-    if C > 1:  # Ulysses groups: contiguous ranks; ring groups: stride U (Megatron's hierarchical CP)
-        for j in range(C):
-            g_ = dist.new_group([u + U * j for u in range(U)])
-            group = g_ if rank // U == j else group
-        for u in range(U):
-            g_ = dist.new_group([u + U * j for j in range(C)])
-            ring = g_ if rank % U == u else ring
-        group = group if U > 1 else None
+    group, ring = ulysses_mcore.new_sequence_groups(U, C)  # Ulysses: contiguous ranks; ring: stride U
     from ulysses_mcore.ring import ring_segments
 
     def shard(t):

@@ -88,20 +88,11 @@ def test_packed_varlen_kernel_on_gpu_matches_float64(backend):
 
 def _nccl_hybrid_world(rank, world, backend):
     """Ulysses 2 x ring (world / 2) on NCCL: the LSE ring (sdpa) or TE's p2p ring (te)."""
-    import torch.distributed as dist
-
-    from ulysses_mcore import ulysses_attention
+    from ulysses_mcore import new_sequence_groups, ulysses_attention
     from ulysses_mcore.ring import ring_segments
 
     torch.cuda.set_device(rank)
-    U, C = 2, world // 2
-    ug = rg = None
-    for j in range(C):
-        g = dist.new_group([u + U * j for u in range(U)])
-        ug = g if rank // U == j else ug
-    for u in range(U):
-        g = dist.new_group([u + U * j for j in range(C)])
-        rg = g if rank % U == u else rg
+    ug, rg = new_sequence_groups(2, world // 2)
     S = 256 * world
     q, k, v, dout = (t.cuda() for t in _inputs(S=S))
 

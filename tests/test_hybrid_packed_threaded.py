@@ -17,19 +17,13 @@ from tests.test_attention_threaded import FP32_RTOL, make_inputs, rel_err
 
 
 def hybrid_groups(rank, U, C):
-    """(ulysses group, ring group) of ``rank`` in a world of U*C threads."""
-    mine = {}
-    for j in range(C):
-        ranks = [u + U * j for u in range(U)]
-        g = dist.new_group(ranks)
-        if rank in ranks:
-            mine["u"] = g
-    for u in range(U):
-        ranks = [u + U * j for j in range(C)]
-        g = dist.new_group(ranks)
-        if rank in ranks:
-            mine["r"] = g
-    return mine["u"], mine["r"]
+    """(ulysses group, ring group) of ``rank`` in a world of U*C threads; checks the layout."""
+    ug, rg = ulysses_mcore.new_sequence_groups(U, C)
+    if ug is not None:
+        assert dist.get_process_group_ranks(ug) == [u + U * (rank // U) for u in range(U)]
+    if rg is not None:
+        assert dist.get_process_group_ranks(rg) == [rank % U + U * j for j in range(C)]
+    return ug, rg
 
 
 def shard(t, c, n, order, dim):
@@ -53,7 +47,7 @@ def run_hybrid(U, C, S, b, hq, hk, d, layout, causal, order, mask=False, bias=Fa
         q, k, v, dout = (t[:, 0] for t in (q, k, v, dout))
 
     def rank_fn(rank, world):
-        ug, rg = hybrid_groups(rank, U, C) if C > 1 else (dist.group.WORLD, None)
+        ug, rg = hybrid_groups(rank, U, C)
         qs, ks, vs = (shard(t, rank, world, order, sd).clone().requires_grad_() for t in (q, k, v))
         out = ulysses_mcore.ulysses_attention(
             qs, ks, vs, group=ug, ring_group=rg, causal=causal, layout="thd" if thd else layout,
@@ -160,9 +154,14 @@ def test_packed_per_document_layout_matches_float64(P, hq, hk):
     assert order[:2].tolist() == [0, 2 * P - 1]
 
 
+def test_new_sequence_groups_rejects_bad_sizes():
+    errs = run_threaded_errors(4, lambda r, w: ulysses_mcore.new_sequence_groups(3, 1))
+    assert all(isinstance(e, ValueError) and "new_sequence_groups(ulysses=3, cp=1)" in str(e) for e in errs), errs
+
+
 def test_ring_collectives_and_block_skipping():
     """Forward: C-1 ring shifts; backward: 2C-1 (kv passes + the gradients' trip home)."""
-    U, C, S = 1, 4, 32
+    C, S = 4, 32
     q, k, v, dout, _, _ = make_inputs(9, S, 1, 4, 4, 8, "sbhd")
 
     def rank_fn(rank, world):

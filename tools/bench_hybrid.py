@@ -59,20 +59,9 @@ def _worker(rank, world, port, args, queue):
     from ulysses_mcore.ring import ring_segments
 
     try:
-        groups = {}
-        for U, C in splits(world):
-            ug = rg = None
-            for j in range(C):
-                ranks = [u + U * j for u in range(U)]
-                g = dist.new_group(ranks) if U > 1 else None
-                if rank in ranks:
-                    ug = g
-            for u in range(U):
-                ranks = [u + U * j for j in range(C)]
-                g = dist.new_group(ranks) if C > 1 else None
-                if rank in ranks:
-                    rg = g
-            groups[(U, C)] = (ug, rg)
+        from ulysses_mcore import new_sequence_groups
+
+        groups = {(U, C): new_sequence_groups(U, C) for U, C in splits(world)}
         results = []
         for S in args.seq:
             gen = torch.Generator().manual_seed(S)

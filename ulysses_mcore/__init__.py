@@ -11,6 +11,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "ulysses_attention": "attention",
     "UlyssesAttention": "attention",
+    "new_sequence_groups": "attention",
     "HeadPlan": "comm",
     "seq_to_head": "comm",
     "head_to_seq": "comm",

@@ -203,6 +203,29 @@ def ulysses_attention(
     return finish(head_to_seq(out, group, degree, layout))
 
 
+def new_sequence_groups(ulysses: int, cp: int = 1):
+    """``(ulysses_group, ring_group)`` of this rank for the functional API, without Megatron:
+    the world cut into Ulysses groups of ``ulysses`` contiguous ranks and ring groups of
+    ``cp`` ranks at stride ``ulysses`` (the layout :func:`ulysses_mcore.initialize` gives
+    Megatron), so rank ``u + ulysses*j`` holds sequence shard ``u + ulysses*j``.  ``None``
+    for an axis of size 1.  Every rank must call it (it creates process groups).  Raises
+    ``ValueError`` on every rank alike, before creating any group, when the sizes do not fit."""
+    from .topology import Topology, TopologyError
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    try:
+        topo = Topology(world, ulysses=ulysses, cp=cp)
+    except TopologyError as e:
+        raise ValueError(f"new_sequence_groups(ulysses={ulysses}, cp={cp}): {e}") from None
+    mine = {}
+    for axis, size in (("ulysses", ulysses), ("cp", cp)):
+        for ranks in topo.groups(axis):
+            g = dist.new_group(ranks) if size > 1 else None
+            if rank in ranks:
+                mine[axis] = g
+    return mine["ulysses"], mine["cp"]
+
+
 def _ring_kernel(backend, ring_group, token_order: str) -> Kernel:
     """The inner kernel when a ring follows the all-to-all: this rank's ring shard in, out."""
     if backend == "te":
