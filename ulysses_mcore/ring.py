@@ -162,6 +162,20 @@ def _heads5(t: torch.Tensor, hk: int, g: int) -> torch.Tensor:
     return t.unflatten(1, (hk, g))
 
 
+def _blocks(q_segs: Segments, k_segs: Segments, causal, scale, mask, bias, docs):
+    """The (query segment, key segment) blocks that are not hidden entirely, with the slices of
+    the local query rows and of the key block they cover: ``(block, rows, cols)``."""
+    koff = 0
+    for kseg in k_segs:
+        qoff = 0
+        for qseg in q_segs:
+            blk = _Block(qseg, kseg, causal, scale, mask, bias, docs)
+            if not blk.skip:
+                yield blk, slice(qoff, qoff + qseg[1]), slice(koff, koff + kseg[1])
+            qoff += qseg[1]
+        koff += kseg[1]
+
+
 def _safe_exp_diff(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """exp(a - b), 0 where ``a`` is -inf (also when ``b`` is -inf)."""
     return torch.where(torch.isinf(a) & (a < 0), torch.zeros_like(a), torch.exp(a - b))
@@ -183,26 +197,19 @@ class RingAttention(torch.autograd.Function):
             src = (me - step) % C
             recv, work = _shift(kv, group) if step < C - 1 else (None, None)
             ka, va = kv[0].to(acc), kv[1].to(acc)
-            koff = 0
-            for kseg in ring_segments(src, C, seq_len, token_order):
-                qoff = 0
-                for qseg in my_segs:
-                    blk = _Block(qseg, kseg, causal, scale, mask, bias, docs)
-                    if not blk.skip:
-                        rq, rk = slice(qoff, qoff + qseg[1]), slice(koff, koff + kseg[1])
-                        if blk.fused(qa):
-                            b_out, b_lse = _fused_forward(qa[..., rq, :], ka[..., rk, :], va[..., rk, :], blk)
-                        else:
-                            s = blk.scores(qa[..., rq, :], ka[..., rk, :])
-                            b_lse = torch.logsumexp(s, dim=-1)
-                            p = _safe_exp_diff(s, b_lse[..., None])
-                            b_out = torch.matmul(p, va[..., rk, :])
-                        new = torch.logaddexp(lse[..., rq], b_lse)
-                        out[..., rq, :] = (out[..., rq, :] * _safe_exp_diff(lse[..., rq], new)[..., None]
-                                           + b_out * _safe_exp_diff(b_lse, new)[..., None])
-                        lse[..., rq] = new
-                    qoff += qseg[1]
-                koff += kseg[1]
+            for blk, rq, rk in _blocks(my_segs, ring_segments(src, C, seq_len, token_order), causal, scale,
+                                       mask, bias, docs):
+                if blk.fused(qa):
+                    b_out, b_lse = _fused_forward(qa[..., rq, :], ka[..., rk, :], va[..., rk, :], blk)
+                else:
+                    s = blk.scores(qa[..., rq, :], ka[..., rk, :])
+                    b_lse = torch.logsumexp(s, dim=-1)
+                    p = _safe_exp_diff(s, b_lse[..., None])
+                    b_out = torch.matmul(p, va[..., rk, :])
+                new = torch.logaddexp(lse[..., rq], b_lse)
+                out[..., rq, :] = (out[..., rq, :] * _safe_exp_diff(lse[..., rq], new)[..., None]
+                                   + b_out * _safe_exp_diff(b_lse, new)[..., None])
+                lse[..., rq] = new
             _wait(work)
             if recv is not None:
                 kv = recv
@@ -229,34 +236,25 @@ class RingAttention(torch.autograd.Function):
             recv_kv, work_kv = _shift(kv, group) if step < C - 1 else (None, None)
             ka, va = kv[0].to(acc), kv[1].to(acc)
             dkv = torch.zeros(kv.shape, dtype=acc, device=k.device)  # this rank's part for block src
-            koff = 0
-            for kseg in ring_segments(src, C, seq_len, order):
-                qoff = 0
-                rk = slice(koff, koff + kseg[1])
-                for qseg in my_segs:
-                    blk = _Block(qseg, kseg, causal, scale, ctx.mask, ctx.bias, ctx.docs)
-                    if not blk.skip:
-                        rq = slice(qoff, qoff + qseg[1])
-                        if blk.fused(qa):  # the fused kernel's backward, fed the final out and lse
-                            gq, gk, gv = _fused_backward(do[..., rq, :], qa[..., rq, :], ka[..., rk, :],
-                                                         va[..., rk, :], out[..., rq, :], lse[..., rq], blk)
-                            dq[..., rq, :] += gq
-                            dkv[0][..., rk, :] += gk
-                            dkv[1][..., rk, :] += gv
-                            qoff += qseg[1]
-                            continue
-                        # 2. recompute probabilities with the final lse
-                        s = blk.scores(qa[..., rq, :], ka[..., rk, :])
-                        p = _safe_exp_diff(s, lse[..., rq, None])
-                        # 3. dV += P^T dO ; dP = dO V^T ; dS = P (dP - D)
-                        dkv[1][..., rk, :] += torch.matmul(p.transpose(-1, -2), do[..., rq, :]).sum(2, keepdim=True)
-                        dp = torch.matmul(do[..., rq, :], va[..., rk, :].transpose(-1, -2))
-                        ds = p * (dp - D[..., rq, None])
-                        # 4. dQ += dS K * scale ; dK += dS^T Q * scale (summed over the query group)
-                        dq[..., rq, :] += torch.matmul(ds, ka[..., rk, :]) * scale
-                        dkv[0][..., rk, :] += (torch.matmul(ds.transpose(-1, -2), qa[..., rq, :]) * scale).sum(2, keepdim=True)
-                    qoff += qseg[1]
-                koff += kseg[1]
+            for blk, rq, rk in _blocks(my_segs, ring_segments(src, C, seq_len, order), causal, scale,
+                                       ctx.mask, ctx.bias, ctx.docs):
+                if blk.fused(qa):  # the fused kernel's backward, fed the final out and lse
+                    gq, gk, gv = _fused_backward(do[..., rq, :], qa[..., rq, :], ka[..., rk, :],
+                                                 va[..., rk, :], out[..., rq, :], lse[..., rq], blk)
+                    dq[..., rq, :] += gq
+                    dkv[0][..., rk, :] += gk
+                    dkv[1][..., rk, :] += gv
+                    continue
+                # 2. recompute probabilities with the final lse
+                s = blk.scores(qa[..., rq, :], ka[..., rk, :])
+                p = _safe_exp_diff(s, lse[..., rq, None])
+                # 3. dV += P^T dO ; dP = dO V^T ; dS = P (dP - D)
+                dkv[1][..., rk, :] += torch.matmul(p.transpose(-1, -2), do[..., rq, :]).sum(2, keepdim=True)
+                dp = torch.matmul(do[..., rq, :], va[..., rk, :].transpose(-1, -2))
+                ds = p * (dp - D[..., rq, None])
+                # 4. dQ += dS K * scale ; dK += dS^T Q * scale (summed over the query group)
+                dq[..., rq, :] += torch.matmul(ds, ka[..., rk, :]) * scale
+                dkv[0][..., rk, :] += (torch.matmul(ds.transpose(-1, -2), qa[..., rq, :]) * scale).sum(2, keepdim=True)
             # 5. add the partial gradient the previous ranks sent for this block (it travelled
             #    while this step computed) and pass it on; the last shift brings it home
             if incoming is not None:
