@@ -94,21 +94,12 @@ def _wrap_init(fn):
     @functools.wraps(fn)
     def initialize_model_parallel(*a, **kw):
         out = fn(*a, **kw)
-        from megatron.core import parallel_state as ps
-
         from ulysses_mcore import state
+        from ulysses_mcore.megatron.groups import sequence_groups_of_parallel_state
 
-        u, ring = _STATE["ulysses"], _STATE["cp"]
-        if u <= 1:
-            state.set_ulysses_group(None)
-            state.set_ring_group(ps.get_context_parallel_group() if ring > 1 else None)
-        elif ring == 1:
-            state.set_ulysses_group(ps.get_context_parallel_group())
-            state.set_ring_group(None)
-        else:  # hybrid: Ulysses inner level, the ring outer (UlyssesAttention runs both)
-            ulysses_group, ring_group = ps.get_hierarchical_context_parallel_groups()[:2]
-            state.set_ulysses_group(ulysses_group)
-            state.set_ring_group(ring_group)
+        ulysses_group, ring_group = sequence_groups_of_parallel_state(max(_STATE["ulysses"], 1), _STATE["cp"])
+        state.set_ulysses_group(ulysses_group)
+        state.set_ring_group(ring_group)
         return out
 
     initialize_model_parallel._ulysses = True

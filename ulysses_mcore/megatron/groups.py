@@ -67,12 +67,7 @@ def initialize(
         distributed_timeout_minutes=distributed_timeout_minutes,
         create_gloo_process_groups=True,  # the optimizer asks for them, even on gloo
     )
-    if ulysses == 1:
-        ulysses_group, ring = None, (ps.get_context_parallel_group() if cp > 1 else None)
-    elif cp == 1:
-        ulysses_group, ring = ps.get_context_parallel_group(), None
-    else:
-        ulysses_group, ring = ps.get_hierarchical_context_parallel_groups()
+    ulysses_group, ring = sequence_groups_of_parallel_state(ulysses, cp)
 
     rank = dist.get_rank()
     _verify(topo, rank, ulysses_group, ring)
@@ -86,6 +81,20 @@ def initialize(
               f"Megatron context-parallel size {topo.context_parallel_size} "
               f"(ulysses {ulysses} inner x ring {cp})", flush=True)
     return topo
+
+
+def sequence_groups_of_parallel_state(ulysses: int, cp: int):
+    """``(ulysses_group, ring_group)`` inside Megatron's initialised context-parallel axis of
+    ``ulysses x cp`` ranks: the whole CP group when only one of them is > 1, else its two
+    hierarchical levels (Ulysses inner).  ``None`` for a degree of 1."""
+    from megatron.core import parallel_state as ps
+
+    if ulysses == 1:
+        return None, (ps.get_context_parallel_group() if cp > 1 else None)
+    if cp == 1:
+        return ps.get_context_parallel_group(), None
+    ulysses_group, ring = ps.get_hierarchical_context_parallel_groups()[:2]
+    return ulysses_group, ring
 
 
 def _verify(topo: Topology, rank: int, ulysses_group, ring) -> None:
