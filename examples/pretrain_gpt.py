@@ -280,7 +280,7 @@ def train(args, topo, use_cuda):
 
     from ulysses_mcore.megatron import data as D
     from ulysses_mcore.megatron import training
-    from ulysses_mcore.megatron.batch import pack_batch, reset_position_ids, shard_batch
+    from ulysses_mcore.megatron.batch import document_boundaries, pack_batch, reset_position_ids, shard_batch
     from ulysses_mcore.megatron.specs import get_ulysses_layer_spec
 
     ulysses_mcore.initialize(tp=topo.tp, ulysses=topo.ulysses, cp=topo.cp, pp=topo.pp,
@@ -374,7 +374,7 @@ def train(args, topo, use_cuda):
 
     if args.reset_attention_mask and rank == 0:
         first = sampler.microbatches(consumed)
-        n_docs = sum(len(pack_batch(mb, tok.eod)["cu_seqlens"]) - 1 for mb in first)
+        n_docs = sum(len(document_boundaries(mb["tokens"], tok.eod)) - 1 for mb in first)
         print(f"[ulysses-mcore] --reset-attention-mask: each micro-batch is one packed THD stream of "
               f"{args.micro_batch_size} x {seq} tokens split at EOD (cu_seqlens, no [s, s] mask); "
               f"{n_docs} documents in rank 0's first {len(first)} micro-batches", flush=True)

@@ -63,18 +63,20 @@ def packed_seq_params(cu_seqlens: torch.Tensor, total: Optional[int] = None):
                            cu_seqlens_kv_padded=whole, max_seqlen_q=total, max_seqlen_kv=total)
 
 
+def document_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """Position of each token of a packed stream inside its own document (restarting at 0)."""
+    from ..ring import document_ids
+
+    return torch.arange(total) - cu_seqlens.long()[document_ids(cu_seqlens, total)]
+
+
 def reset_position_ids(batch: Dict[str, torch.Tensor], eod_token_id: int) -> Dict[str, torch.Tensor]:
     """``position_ids`` restarting after every ``eod`` token (Megatron-LM's
     ``--reset-position-ids``).  Only learned absolute embeddings read them: RoPE scores depend
     on position differences, which are the same within a document either way."""
-    from ..ring import document_ids
-
     b, s = batch["tokens"].shape
-    pos = []
-    for i in range(b):
-        cu = document_boundaries(batch["tokens"][i:i + 1], eod_token_id).long()
-        pos.append(torch.arange(s) - cu[document_ids(cu, s)])
-    return dict(batch, position_ids=torch.stack(pos))
+    cu = document_boundaries(batch["tokens"], eod_token_id)  # sample ends are boundaries too
+    return dict(batch, position_ids=document_positions(cu, b * s).view(b, s))
 
 
 def pack_batch(batch: Dict[str, torch.Tensor], eod_token_id: int, *, reset_positions: bool = True) -> Dict[str, torch.Tensor]:
@@ -84,11 +86,8 @@ def pack_batch(batch: Dict[str, torch.Tensor], eod_token_id: int, *, reset_posit
     cu = document_boundaries(batch["tokens"], eod_token_id)
     out = {k: (v.reshape(1, -1) if k in SEQ_KEYS and v is not None else v) for k, v in batch.items()
            if k != "attention_mask"}
-    from ..ring import document_ids
-
-    T = out["tokens"].shape[1]
     if reset_positions:
-        out["position_ids"] = (torch.arange(T) - cu.long()[document_ids(cu, T)]).unsqueeze(0)
+        out["position_ids"] = document_positions(cu, out["tokens"].shape[1]).unsqueeze(0)
     out["cu_seqlens"] = cu
     return out
 
