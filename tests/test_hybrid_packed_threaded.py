@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 import ulysses_mcore
 from ulysses_mcore import checks, ring as ring_mod
-from ulysses_mcore.ring import document_ids, ring_attention, ring_segments
+from ulysses_mcore.megatron.batch import document_mask
+from ulysses_mcore.ring import ring_attention, ring_segments
 from tests.helpers import reference_attention, run_threaded, run_threaded_errors
 from tests.test_attention_threaded import FP32_RTOL, make_inputs, rel_err
 
@@ -30,12 +31,6 @@ def shard(t, c, n, order, dim):
     """Shard ``c`` of ``n`` of the full tensor along ``dim`` (contiguous or dual-chunk)."""
     S = t.shape[dim]
     return torch.cat([t.narrow(dim, s, m) for s, m in ring_segments(c, n, S, order)], dim=dim)
-
-
-def doc_mask(cu, S):
-    """Boolean [1, 1, S, S], True where two positions lie in different documents."""
-    d = document_ids(cu, S)
-    return (d[:, None] != d[None, :])[None, None]
 
 
 def run_hybrid(U, C, S, b, hq, hk, d, layout, causal, order, mask=False, bias=False, cu=None, backend="sdpa",
@@ -59,7 +54,7 @@ def run_hybrid(U, C, S, b, hq, hk, d, layout, causal, order, mask=False, bias=Fa
     qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
     if thd:
         ref = reference_attention(qr.unsqueeze(1), kr.unsqueeze(1), vr.unsqueeze(1), causal=causal,
-                                  attention_mask=doc_mask(cu, S)).squeeze(1)
+                                  attention_mask=document_mask(cu, S)).squeeze(1)
     else:
         ref = reference_attention(qr, kr, vr, causal=causal, layout=layout, attention_mask=m, attention_bias=bi)
     ref.backward(dout.double())
@@ -145,7 +140,7 @@ def test_packed_per_document_layout_matches_float64(P, hq, hk):
 
     res = run_threaded(P, rank_fn)
     qr, kr, vr = (t.double().unsqueeze(1).requires_grad_() for t in (q, k, v))
-    ref = reference_attention(qr, kr, vr, causal=True, attention_mask=doc_mask(cu, T))
+    ref = reference_attention(qr, kr, vr, causal=True, attention_mask=document_mask(cu, T))
     ref.backward(dout.double().unsqueeze(1))
     for i, want in enumerate((ref.detach(), qr.grad, kr.grad, vr.grad)):
         got = torch.cat([r[i] for r in res])

@@ -95,6 +95,11 @@ def _sdpa_varlen(q, k, v, cu_seqlens, *, causal, softmax_scale, dropout_p):
     return torch.cat(outs, dim=0)
 
 
+def _varlen_args(cu_seqlens, device):
+    """(int32 cu_seqlens on ``device``, longest document) for the varlen kernels."""
+    return cu_seqlens.to(device=device, dtype=torch.int32), int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+
+
 def flash_attention(q, k, v, *, causal, softmax_scale=None, layout="sbhd", dropout_p=0.0, **kw):
     """flash-attn's ``flash_attn_func`` (bshd, GQA native); ``flash_attn_varlen_func`` for
     packed documents (``cu_seqlens``)."""
@@ -102,8 +107,7 @@ def flash_attention(q, k, v, *, causal, softmax_scale=None, layout="sbhd", dropo
     if cu is not None:
         from flash_attn import flash_attn_varlen_func
 
-        cu32 = cu.to(device=q.device, dtype=torch.int32)
-        maxlen = int((cu[1:] - cu[:-1]).max())
+        cu32, maxlen = _varlen_args(cu, q.device)
         out = flash_attn_varlen_func(q[:, 0], k[:, 0], v[:, 0], cu32, cu32, maxlen, maxlen, dropout_p,
                                      softmax_scale=softmax_scale, causal=causal)
         return out.unsqueeze(1)
@@ -171,8 +175,7 @@ def te_attention(q, k, v, *, causal, softmax_scale=None, layout="sbhd", dropout_
     if bias is not None:
         extra = {"core_attention_bias_type": "post_scale_bias", "core_attention_bias": bias}
     if cu is not None:
-        cu32 = cu.to(device=q.device, dtype=torch.int32)
-        maxlen = int((cu[1:] - cu[:-1]).max())
+        cu32, maxlen = _varlen_args(cu, q.device)
         out = mod(q[:, 0], k[:, 0], v[:, 0], attn_mask_type=mask_type, cu_seqlens_q=cu32, cu_seqlens_kv=cu32,
                   max_seqlen_q=maxlen, max_seqlen_kv=maxlen)
         return out.view(q.shape[0], 1, hq, d)

@@ -150,7 +150,7 @@ def _dev(code):
     return _DEVICES[code] if code < len(_DEVICES) else "other"
 
 
-def _ring_problem(d, where: str) -> Optional[str]:
+def _ring_or_packed_problem(d, where: str) -> Optional[str]:
     """What a ring (``ring_group`` of size > 1) or a packed ``thd`` input cannot take."""
     ring, backend = d["ring"], d["backend"]
     if ring > 1:
@@ -247,7 +247,7 @@ def _rank_problem(d, rank: int, degree: int) -> Optional[str]:
             err = f"overlap_chunks={d['overlap_chunks']} needs heads that divide evenly over the degree {degree}"
         if err:
             return f"{err} ({where})"
-    err = _ring_problem(d, where)
+    err = _ring_or_packed_problem(d, where)
     if err:
         return err
     seq = q["shape"][sdim] * degree * d["ring"]
