@@ -260,27 +260,12 @@ def main(argv=None):
     p.add_argument("--chunks", default="1,2,4", help="overlap chunk counts to measure")
     p.add_argument("--out", default="docs/perf")
     a = p.parse_args(argv)
-    import socket
-
-    import torch.multiprocessing as mp
+    from _world import run_world
 
     if a.world > (os.cpu_count() or 1):
         print(f"note: {a.world} ranks on {os.cpu_count()} cores: oversubscribed, times include contention",
               file=sys.stderr)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_worker, args=(r, a.world, port, a, queue)) for r in range(a.world)]
-    for pr in procs:
-        pr.start()
-    for pr in procs:
-        pr.join()
-    if any(pr.exitcode for pr in procs):
-        print("error: a benchmark rank failed", file=sys.stderr)
-        return 1
-    results = queue.get()
+    results = run_world(a.world, _worker, a)[0]
     note = f"{os.cpu_count()} CPU cores, {a.threads} torch thread(s) per rank, {a.repeats} repeats."
     base = write_outputs(results, a.out, a.world, note)
     print(open(base + ".md").read())

@@ -101,21 +101,9 @@ def main(argv=None):
     p.add_argument("--out", default="docs/perf")
     args = p.parse_args(argv)
     args.seq = [int(x) for x in args.seq.split(",")]
-    import socket
+    from _world import run_world
 
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_worker, args=(r, args.world, port, args, queue)) for r in range(args.world)]
-    for pr in procs:
-        pr.start()
-    for pr in procs:
-        pr.join()
-    res = dict(queue.get() for _ in range(args.world))[0]
+    res = dict(run_world(args.world, _worker, args))[0]
     base = {r["seq"]: r["ms"] for r in res if r["ring"] == 1}
     lines = [f"# Ulysses x ring on {args.world} gloo ranks (1 thread each), causal, fp32, "
              f"{args.heads} q / {args.kv_heads} kv heads of {args.head_dim}; fwd+bwd median of {args.repeats}", "",

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -30,7 +29,7 @@ MODEL = dict(num_layers=4, hidden_size=256, ffn_hidden_size=1024, num_attention_
 VOCAB = 512
 
 
-def _worker(rank, world, port, seqs, queue, ring=1):
+def _worker(rank, world, port, seqs, ring, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     import warnings
 
@@ -89,9 +88,8 @@ def main(argv=None):
     p.add_argument("--budget-gb", type=float, default=1.0, help="per-rank budget for the longest-sequence column")
     p.add_argument("--out", default="docs/perf")
     a = p.parse_args(argv)
-    import torch.multiprocessing as mp
-
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _world import run_world
     from plan import estimate, longest_sequence
 
     splits = [tuple(int(v) for v in x.split("x")) if "x" in x else (int(x), 1) for x in a.degrees.split(",")]
@@ -101,20 +99,7 @@ def main(argv=None):
     for U, C in splits:
         P = U * C
         print(f"measuring ulysses {U} x cp {C} ...", file=sys.stderr, flush=True)
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        ctx = mp.get_context("spawn")
-        queue = ctx.SimpleQueue()
-        procs = [ctx.Process(target=_worker, args=(r, P, port, seqs, queue, C)) for r in range(P)]
-        for pr in procs:
-            pr.start()
-        for pr in procs:
-            pr.join()
-        if any(pr.exitcode for pr in procs):
-            print(f"error: a rank failed at ulysses {U} x cp {C}", file=sys.stderr)
-            return 1
-        rows += queue.get()
+        rows += run_world(P, _worker, seqs, C, what=f"a rank at ulysses {U} x cp {C}")[0]
     base1 = {r["seq"]: r["activations_bytes"] for r in rows if r["degree"] == 1}
     for r in rows:
         est = estimate(seq_length=r["seq"], ulysses=r["ulysses"], cp=r["cp"], vocab_size=VOCAB, **MODEL)
