@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 from typing import Dict, Tuple
 
 _ORIGINALS: Dict[Tuple[str, str], object] = {}
@@ -123,11 +124,25 @@ def _wrap_spec(fn, default_backend):
     return spec_fn
 
 
+def _wrap_compile_helpers(fn):
+    @functools.wraps(fn)
+    def compile_helpers():
+        # The megatron-core wheel ships the dataset helpers prebuilt (and no Makefile), so
+        # Megatron-LM's start-up `make` fails on a wheel install: build only what is missing.
+        if importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is not None:
+            return None
+        return fn()
+
+    compile_helpers._ulysses = True
+    return compile_helpers
+
+
 def _targets():
     """(module, attribute, wrapper) for everything :func:`apply` patches that is importable."""
     out = []
     ps = importlib.import_module("megatron.core.parallel_state")
     out.append((ps, "initialize_model_parallel", _wrap_init))
+    out.append((importlib.import_module("megatron.core.datasets.utils"), "compile_helpers", _wrap_compile_helpers))
     specs = importlib.import_module("megatron.core.models.gpt.gpt_layer_specs")
     for name, backend in SPEC_FUNCTIONS.items():
         if hasattr(specs, name):

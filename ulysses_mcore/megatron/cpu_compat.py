@@ -1,7 +1,10 @@
-"""Run Megatron-Core on CPU (gloo) when CUDA is absent -- four shims, nothing inside Megatron changed.
+"""Run Megatron on CPU (gloo) when CUDA is absent -- the project's one CPU-compat module.
 
-Megatron-Core assumes a CUDA device in a few places that have nothing to do with the
-math.  :func:`apply` (idempotent; a no-op when CUDA is available unless ``force``) installs:
+Megatron-Core and Megatron-LM's ``megatron.training`` assume a CUDA device in a few places
+that have nothing to do with the math.  Nothing inside Megatron is edited; everything here
+is installed only without CUDA (or with ``force``) and undone by :func:`remove`.
+
+:func:`apply` (idempotent) -- for megatron-core:
 
 1. ``torch.cuda.current_device()`` answers ``"cpu"``; ``torch.cuda.synchronize`` and
    ``torch.cuda.empty_cache`` are no-ops.
@@ -12,11 +15,28 @@ math.  :func:`apply` (idempotent; a no-op when CUDA is available unless ``force`
    generator: ``torch.cuda.get_rng_state/set_rng_state/manual_seed`` and Megatron's
    ``_get_cuda_rng_state/_set_cuda_rng_state`` act on it.
 4. ``torch.cuda.memory_allocated`` / ``max_memory_allocated`` answer 0 (logging only).
+5. CUDA streams: ``torch.cuda.Stream``, ``current_stream``, ``stream(...)`` and ``Event`` are
+   torch's CPU stand-ins (megatron-core 0.19's DDP grad sync asks for the current stream
+   unconditionally; Megatron-LM builds DDP inside a side stream).
 
-:func:`remove` restores everything.
+:func:`apply_megatron_lm` (idempotent; after :func:`apply`) -- for Megatron-LM's trainer:
+
+7. ``initialize_megatron`` runs with ``allow_no_cuda=True`` (it asserts CUDA otherwise).
+8. ``_initialize_distributed`` and ``_set_random_seed`` see one "device": without it they
+   skip ``initialize_model_parallel`` and the model-parallel RNG seeds when
+   ``torch.cuda.device_count() == 0``; ``torch.cuda.set_device`` is a no-op meanwhile.
+9. ``megatron.legacy.fused_kernels.load`` does nothing (CUDA kernels; the CPU path never
+   calls them), nor does ``_warmup_jit_function`` (it warms fused kernels up on CUDA tensors).
+10. ``get_device_arch_version`` answers 0 (no CUDA architecture: Megatron-LM keeps its
+    pre-Blackwell rules, e.g. ``CUDA_DEVICE_MAX_CONNECTIONS=1`` with context parallelism).
 """
 
 from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import os
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -84,6 +104,13 @@ def apply(force: bool = False) -> bool:
     _SAVED[("mrandom", "_get_cuda_rng_state")] = mrandom._get_cuda_rng_state
     _SAVED[("mrandom", "_set_cuda_rng_state")] = mrandom._set_cuda_rng_state
 
+    for name in ("Stream", "current_stream", "stream", "Event", "set_stream"):
+        _SAVED[("cuda", name)] = getattr(cuda, name)
+    cuda.Stream = torch.cpu.Stream
+    cuda.current_stream = lambda *a, **k: torch.cpu.current_stream()
+    cuda.stream = torch.cpu.stream
+    cuda.Event = torch.cpu.Event
+    cuda.set_stream = lambda *a, **k: None
     cuda.current_device = lambda: "cpu"
     cuda.synchronize = lambda *a, **k: None
     cuda.empty_cache = lambda: None
@@ -113,5 +140,79 @@ def remove() -> None:
         _MODE.__exit__(None, None, None)
         _MODE = None
     for (where, name), fn in _SAVED.items():
-        setattr(torch.cuda if where == "cuda" else mrandom, name, fn)
+        if where == "cuda":
+            setattr(torch.cuda, name, fn)
+        elif where == "mrandom":
+            setattr(mrandom, name, fn)
+        else:
+            setattr(importlib.import_module(where), name, fn)
     _SAVED.clear()
+
+
+@contextlib.contextmanager
+def _one_device():
+    """``torch.cuda.device_count()`` answers 1 and ``set_device`` is a no-op, inside only."""
+    count, set_device = torch.cuda.device_count, torch.cuda.set_device
+    torch.cuda.device_count = lambda: 1
+    torch.cuda.set_device = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        torch.cuda.device_count, torch.cuda.set_device = count, set_device
+
+
+def _with_one_device(fn):
+    @functools.wraps(fn)
+    def wrapper(*a, **k):
+        with _one_device():
+            return fn(*a, **k)
+
+    return wrapper
+
+
+def _allow_no_cuda(fn):
+    @functools.wraps(fn)
+    def initialize_megatron(*a, **k):
+        k["allow_no_cuda"] = True
+        return fn(*a, **k)
+
+    return initialize_megatron
+
+
+def _patch(modname: str, name: str, new) -> None:
+    mod = importlib.import_module(modname)
+    if (modname, name) not in _SAVED and hasattr(mod, name):
+        _SAVED[(modname, name)] = getattr(mod, name)
+        setattr(mod, name, new)
+
+
+def apply_megatron_lm(force: bool = False) -> bool:
+    """Also adapt Megatron-LM's ``megatron.training`` (shims 7-9) when CUDA is absent; return
+    whether they are active.  Needs Megatron-LM importable; applies :func:`apply` first."""
+    if not apply(force):
+        return False
+    if ("megatron.training.initialize", "_initialize_distributed") in _SAVED:
+        return True
+    import megatron.training.initialize as init
+
+    init_fn = init.initialize_megatron
+    _patch("megatron.training.initialize", "initialize_megatron", _allow_no_cuda(init_fn))
+    for modname in ("megatron.training.training", "megatron.training"):
+        mod = importlib.import_module(modname)
+        if getattr(mod, "initialize_megatron", None) is init_fn:
+            _patch(modname, "initialize_megatron", init.initialize_megatron)
+    for name in ("_initialize_distributed", "_set_random_seed"):
+        _patch("megatron.training.initialize", name, _with_one_device(getattr(init, name)))
+    _patch("megatron.training.initialize", "_warmup_jit_function", lambda *a, **k: None)
+    utils = importlib.import_module("megatron.training.utils")
+    arch = getattr(utils, "get_device_arch_version", None)
+    for modname in ("megatron.training.utils", "megatron.training.arguments"):
+        if arch is not None and getattr(importlib.import_module(modname), "get_device_arch_version", None) is arch:
+            _patch(modname, "get_device_arch_version", lambda: 0)
+    try:
+        importlib.import_module("megatron.legacy.fused_kernels")
+    except ImportError:  # newer Megatron-LM: no legacy fused kernels to load
+        pass
+    else:
+        _patch("megatron.legacy.fused_kernels", "load", lambda *a, **k: None)
+    return True
