@@ -34,6 +34,7 @@ from typing import Dict, Tuple
 
 _ORIGINALS: Dict[Tuple[str, str], object] = {}
 _STATE = {"ulysses": 1, "cp": 1}
+_LOCAL_SPEC: dict = {}  # the spec megatron.training's GPT builder uses for its local attention
 
 SPEC_FUNCTIONS = {
     "get_gpt_layer_local_spec": "sdpa",
@@ -78,6 +79,12 @@ def fold_args(args):
         args.hierarchical_context_parallel_sizes = [u, ring]
     args._ulysses_folded = True
     _STATE.update(ulysses=u, cp=ring, backend=getattr(args, "ulysses_attention_backend", "auto"))
+    if u > 1 and "spec" in _LOCAL_SPEC:
+        from ulysses_mcore import UlyssesAttention
+
+        _LOCAL_SPEC["spec"].module = UlyssesAttention
+        _LOCAL_SPEC["spec"].params = {"backend": "sdpa" if _STATE["backend"] in (None, "auto", "te")
+                                      else _STATE["backend"]}
     return args
 
 
@@ -113,6 +120,8 @@ def _wrap_spec(fn, default_backend):
         from ulysses_mcore.megatron.specs import swap_core_attention
 
         spec = fn(*a, **kw)
+        if _STATE["ulysses"] <= 1:  # no --ulysses-degree: Megatron's own attention, untouched
+            return spec
         backend = _STATE.get("backend", "auto")
         if backend in (None, "auto"):
             backend = default_backend
@@ -137,6 +146,16 @@ def _wrap_compile_helpers(fn):
     return compile_helpers
 
 
+def _local_core_attention(original):
+    """What megatron.training's GPT builder puts in for ``--attention-backend local``."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from ulysses_mcore import UlyssesAttention
+
+    _LOCAL_SPEC.update(original=original, spec=ModuleSpec(module=original, params={}))
+    return _LOCAL_SPEC["spec"]  # a shared spec: fold_args makes it Ulysses when --ulysses-degree > 1
+
+
 def _targets():
     """(module, attribute, wrapper) for everything :func:`apply` patches that is importable."""
     out = []
@@ -154,8 +173,18 @@ def _targets():
             continue
         if hasattr(mod, "validate_args"):
             out.append((mod, "validate_args", _wrap_validate))
-    # modules that imported the patched functions by name (e.g. Megatron-LM's gpt_builders)
-    for modname in ("gpt_builders", "megatron.training.initialize", "pretrain_gpt"):
+    # megatron-core >= 0.19's own GPT builder (megatron.training.models.gpt) forces Megatron's
+    # DotProductAttention into the spec when the attention backend is "local"; that name,
+    # rebound, gives Ulysses around the local (SDPA) kernel instead.
+    try:
+        builder = importlib.import_module("megatron.training.models.gpt")
+    except Exception:
+        builder = None
+    if builder is not None and hasattr(builder, "MCoreDotProductAttention"):
+        out.append((builder, "MCoreDotProductAttention", _local_core_attention))
+    # modules that imported the patched functions by name (Megatron-LM's gpt_builders, the
+    # 0.19 wheel's GPT model builder)
+    for modname in ("gpt_builders", "megatron.training.initialize", "pretrain_gpt", "megatron.training.models.gpt"):
         try:
             mod = importlib.import_module(modname)
         except Exception:
@@ -187,6 +216,7 @@ def remove():
         setattr(importlib.import_module(modname), name, fn)
         del _ORIGINALS[(modname, name)]
     _STATE.update(ulysses=1, cp=1, backend="auto")
+    _LOCAL_SPEC.clear()
 
 
 def is_applied() -> bool:
