@@ -47,10 +47,27 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--hidden-size", type=int, default=64)
     g.add_argument("--ffn-hidden-size", type=int, default=None)
     g.add_argument("--num-attention-heads", type=int, default=4)
-    g.add_argument("--num-query-groups", type=int, default=None)
+    g.add_argument("--group-query-attention", action="store_true",
+                   help="grouped-query attention with --num-query-groups KV heads (1 if not given)")
+    g.add_argument("--num-query-groups", type=int, default=None,
+                   help="KV heads (implies --group-query-attention here; Megatron-LM needs both)")
     g.add_argument("--seq-length", type=int, default=256)
     g.add_argument("--max-position-embeddings", type=int, default=None)
     g.add_argument("--position-embedding-type", choices=["rope", "learned_absolute"], default="rope")
+    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
+    g.add_argument("--swiglu", action="store_true",
+                   help="SwiGLU MLP (ffn default int(8h/3 / 64) * 64, as Megatron-LM)")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="separate output layer (default: tied to the input embedding, as Megatron-LM)")
+    g.add_argument("--disable-bias-linear", action="store_true", help="no biases in the linear layers")
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--attention-dropout", type=float, default=0.0,
+                   help="default 0 here (Megatron-LM: 0.1); dropout masks depend on the layout")
+    g.add_argument("--hidden-dropout", type=float, default=0.0, help="default 0 here (Megatron-LM: 0.1)")
+    g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local",
+                   help="Megatron-Core's local spec (plain torch, CPU) or Transformer Engine's (GPU)")
+    g.add_argument("--use-mcore-models", action="store_true", help="accepted for Megatron-LM command lines; "
+                   "the model is always Megatron-Core's GPTModel")
     g.add_argument("--attention-backend", choices=["auto", "sdpa", "flash", "te"], default="auto")
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
     g.add_argument("--bf16", action="store_true")
@@ -63,7 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--min-lr", type=float, default=3e-4)
     g.add_argument("--lr-warmup-iters", type=int, default=3)
     g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root"],
+                   default="linear")
     g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--on-nan", choices=["stop", "skip"], default="stop",
                    help="NaN/Inf in loss or gradients: stop the run, or skip that update")
@@ -91,6 +113,8 @@ def validate(args, world_size: int):
     """Every check that needs no collective; raises ValueError naming the flag and the fix."""
     from ulysses_mcore.topology import Topology
 
+    if args.group_query_attention and args.num_query_groups is None:
+        args.num_query_groups = 1  # Megatron-LM's default for --num-query-groups
     topo = Topology(world_size, tp=args.tensor_model_parallel_size, ulysses=args.ulysses_degree,
                     cp=args.context_parallel_size, pp=args.pipeline_model_parallel_size)
     topo.check_model(args.num_attention_heads, args.num_query_groups, args.seq_length)
@@ -110,9 +134,19 @@ def validate(args, world_size: int):
         raise ValueError(f"--global-batch-size {args.global_batch_size} must be a multiple of --micro-batch-size "
                          f"{args.micro_batch_size} x data-parallel size {topo.dp} "
                          f"(world {world_size} / (tp x ulysses x cp x pp))")
-    for flag in ("train_iters", "micro_batch_size", "global_batch_size", "log_interval", "eval_iters"):
+    for flag in ("train_iters", "micro_batch_size", "global_batch_size", "log_interval"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.eval_iters < 0:
+        raise ValueError(f"--eval-iters must be >= 0 (0: no evaluation), got {args.eval_iters}")
+    for flag in ("attention_dropout", "hidden_dropout"):
+        if not 0.0 <= getattr(args, flag) < 1.0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be in [0, 1), got {getattr(args, flag)}")
+    if args.init_method_std <= 0:
+        raise ValueError(f"--init-method-std must be > 0, got {args.init_method_std}")
+    if args.transformer_impl == "transformer_engine" and not torch.cuda.is_available():
+        raise ValueError("--transformer-impl transformer_engine needs a CUDA GPU with Transformer Engine; "
+                         "use --transformer-impl local on CPU")
     if args.save_interval is not None and not args.save:
         raise ValueError("--save-interval needs --save DIR")
     if args.load and not os.path.isdir(args.load):
@@ -160,7 +194,8 @@ def _latest_file(d):
 
 
 MODEL_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-               "position_embedding_type", "make_vocab_size_divisible_by", "tokenizer_type")
+               "position_embedding_type", "make_vocab_size_divisible_by", "tokenizer_type", "normalization",
+               "swiglu", "untie_embeddings_and_output_weights", "disable_bias_linear")
 
 
 def save_checkpoint(path, iteration, model, optimizer, scheduler, consumed_samples, args):
@@ -255,13 +290,20 @@ def main(argv=None):
     except FloatingPointError as e:  # NaN/Inf with --on-nan stop: every rank raises it at the same iteration
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 3
-    except RuntimeError as e:  # a collective failed: a peer died, hung past the timeout, or the network broke
-        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-        print(f"error: rank {dist.get_rank()}: a collective failed at iteration {_PROGRESS['iteration'] + 1} -- "
-              f"a peer rank died or stopped responding within --distributed-timeout-minutes "
-              f"{args.distributed_timeout_minutes} ({type(e).__name__}: {first}). Check the other ranks' logs.",
-              file=sys.stderr, flush=True)
-        return 4
+    except Exception as e:  # noqa: BLE001 - reported as what it is, on this rank
+        rank, it = dist.get_rank(), _PROGRESS["iteration"] + 1
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+        if _is_collective_failure(e):
+            print(f"error: rank {rank}: a collective failed at iteration {it} -- a peer rank died or stopped "
+                  f"responding within --distributed-timeout-minutes {args.distributed_timeout_minutes} "
+                  f"({type(e).__name__}: {first}). Check the other ranks' logs.", file=sys.stderr, flush=True)
+            return 4
+        import traceback
+
+        traceback.print_exc()
+        print(f"error: rank {rank}: {type(e).__name__} at iteration {it}: {first} (a local error on this rank; "
+              f"the traceback above says where)", file=sys.stderr, flush=True)
+        return 1
     finally:
         from ulysses_mcore.megatron import groups
 
@@ -270,6 +312,19 @@ def main(argv=None):
 
 
 _PROGRESS = {"iteration": 0}
+
+# what torch.distributed's backends say when a peer dies, a connection breaks or a wait times out
+_COLLECTIVE_SIGNS = ("connection closed by peer", "connection reset by peer", "broken pipe", "timed out",
+                     "timeout", "nccl error", "ncclremoteerror", "ncclsystemerror", "gloo/transport",
+                     "socket closed", "connection refused")
+
+
+def _is_collective_failure(e: BaseException) -> bool:
+    """A failed collective (peer death, broken connection, timeout), not a local error."""
+    if isinstance(e, getattr(dist, "DistError", ())):
+        return True
+    text = str(e).lower()
+    return isinstance(e, RuntimeError) and any(sign in text for sign in _COLLECTIVE_SIGNS)
 
 
 def train(args, topo, use_cuda):
@@ -316,27 +371,38 @@ def train(args, topo, use_cuda):
     if vocab % topo.tp:
         raise ValueError(f"padded vocab {vocab} is not divisible by --tensor-model-parallel-size {topo.tp}: "
                          "raise --make-vocab-size-divisible-by to a multiple of it")
-    backend = args.attention_backend if args.attention_backend != "auto" else "sdpa"
+    te = args.transformer_impl == "transformer_engine"
+    backend = args.attention_backend if args.attention_backend != "auto" else ("te" if te else "sdpa")
+    ffn = args.ffn_hidden_size or (int((4 * args.hidden_size * 2 / 3) / 64) * 64 if args.swiglu
+                                   else 4 * args.hidden_size)
     cfg = training.gpt_config(
-        num_layers=args.num_layers, hidden_size=args.hidden_size,
-        ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
+        num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=ffn,
         num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+        normalization=args.normalization, gated_linear_unit=args.swiglu,
+        activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
+        add_bias_linear=not args.disable_bias_linear, init_method_std=args.init_method_std,
+        attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
         bf16=args.bf16, params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
         sequence_parallel=args.sequence_parallel,
         recompute_granularity=args.recompute_granularity,
         recompute_method="uniform" if args.recompute_granularity == "full" else None,
         recompute_num_layers=1 if args.recompute_granularity == "full" else None,
     )
-    base = "te" if backend == "te" else "local"
+    base = "te" if (te or backend == "te") else "local"
     model = training.build_gpt(cfg, vocab_size=vocab, max_sequence_length=args.max_position_embeddings or args.seq_length,
                                position_embedding_type=args.position_embedding_type,
-                               layer_spec=get_ulysses_layer_spec(base, backend=backend))
+                               share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                               layer_spec=get_ulysses_layer_spec(base, backend=backend, normalization=args.normalization))
+    # the same initial model for every tp / pp / ulysses / cp / dp layout (one --seed)
+    training.init_layout_independent(model, cfg, args.seed)
     optimizer = training.build_optimizer(model, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
                                          clip_grad=args.clip_grad, bf16=args.bf16,
-                                         use_distributed_optimizer=args.use_distributed_optimizer)
+                                         use_distributed_optimizer=args.use_distributed_optimizer,
+                                         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
+                                         adam_eps=args.adam_eps)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters * G, lr_decay_steps=args.train_iters * G, lr_decay_style="cosine",
+        lr_warmup_steps=args.lr_warmup_iters * G, lr_decay_steps=args.train_iters * G, lr_decay_style=args.lr_decay_style,
         start_wd=args.weight_decay, end_wd=args.weight_decay, wd_incr_steps=args.train_iters * G,
         wd_incr_style="constant",
     )
@@ -408,7 +474,7 @@ def train(args, topo, use_cuda):
             writer.writerow([iteration, consumed, f"{m['loss']:.8e}", f"{lr:.6e}", f"{m['grad_norm']:.6f}",
                              f"{dt * 1e3:.2f}", f"{tps:.1f}", f"{peak:.3f}", "train"])
             fh.flush()
-        if vsampler is not None and args.eval_interval and iteration % args.eval_interval == 0:
+        if vsampler is not None and args.eval_iters and args.eval_interval and iteration % args.eval_interval == 0:
             losses = [training.evaluate(model, shard(vsampler.microbatches(i * G)), seq_length=sched_seq,
                                         micro_batch_size=sched_mbs) for i in range(args.eval_iters)]
             if is_logger:

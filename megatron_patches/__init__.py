@@ -82,10 +82,25 @@ def fold_args(args):
     if u > 1 and "spec" in _LOCAL_SPEC:
         from ulysses_mcore import UlyssesAttention
 
+        _say("core attention: UlyssesAttention (inner kernel sdpa) for megatron.training's local attention backend")
         _LOCAL_SPEC["spec"].module = UlyssesAttention
         _LOCAL_SPEC["spec"].params = {"backend": "sdpa" if _STATE["backend"] in (None, "auto", "te")
                                       else _STATE["backend"]}
     return args
+
+
+_SAID: set = set()
+
+
+def _say(message: str) -> None:
+    """Print on global rank 0 only (``$RANK`` before torch.distributed is up)."""
+    import os
+
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        print(f"[ulysses-mcore] {message}", flush=True)
 
 
 def _wrap_validate(fn):
@@ -108,6 +123,13 @@ def _wrap_init(fn):
         ulysses_group, ring_group = sequence_groups_of_parallel_state(max(_STATE["ulysses"], 1), _STATE["cp"])
         state.set_ulysses_group(ulysses_group)
         state.set_ring_group(ring_group)
+        if _STATE["ulysses"] > 1:
+            from megatron.core import parallel_state as ps
+
+            _say(f"parallel axes in force: tp {ps.get_tensor_model_parallel_world_size()} x ulysses "
+                 f"{_STATE['ulysses']} x cp {_STATE['cp']} x dp {ps.get_data_parallel_world_size()} x pp "
+                 f"{ps.get_pipeline_model_parallel_world_size()}; Megatron context-parallel size "
+                 f"{ps.get_context_parallel_world_size()} (ulysses {_STATE['ulysses']} inner x ring {_STATE['cp']})")
         return out
 
     initialize_model_parallel._ulysses = True
@@ -127,6 +149,9 @@ def _wrap_spec(fn, default_backend):
             backend = default_backend
             if backend is None:  # decoder block: TE unless use_transformer_engine=False
                 backend = "te" if kw.get("use_transformer_engine", True) else "sdpa"
+        if fn.__name__ not in _SAID:
+            _SAID.add(fn.__name__)
+            _say(f"core attention: UlyssesAttention (inner kernel {backend}) in megatron-core's {fn.__name__}")
         return swap_core_attention(spec, backend=backend)
 
     spec_fn._ulysses = True

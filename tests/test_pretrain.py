@@ -153,6 +153,8 @@ def test_resume_at_other_degrees_continues_the_curve(runs, name):
     (["--global-batch-size", "3"], "--global-batch-size 3"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     (["--save-interval", "2"], "--save-interval needs --save"),
+    (["--transformer-impl", "transformer_engine"], "--transformer-impl transformer_engine needs a CUDA GPU"),
+    (["--eval-iters", "-1"], "--eval-iters must be >= 0"),
 ])
 def test_bad_flags_fail_fast_on_every_rank(tmp_path, args, needle):
     r = launch(2, COMMON + args, tmp_path, timeout=120)
@@ -163,6 +165,61 @@ def test_bad_flags_fail_fast_on_every_rank(tmp_path, args, needle):
     r1 = subprocess.run([sys.executable, SCRIPT, *COMMON, *args], capture_output=True, text=True, timeout=60,
                         env=env, cwd=str(tmp_path))
     assert r1.returncode == 2 and needle in r1.stderr, r1.stderr[-2000:]
+
+
+def test_same_initial_model_for_every_layout(runs, tmp_path):
+    """One --seed, one model: pp 2 and pp 2 x tp 2 start where 1 rank starts (iteration-1 loss
+    within 1e-6) and follow the same curve."""
+    base = losses(runs["u1"][0])
+    for name, nproc, extra in [("pp2", 2, ["--pipeline-model-parallel-size", "2"]),
+                               ("pp2tp2", 4, ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2"])]:
+        d = tmp_path / name
+        d.mkdir()
+        r = launch(nproc, COMMON + extra, d)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        got = losses(d)
+        assert close(got[1], base[1], rtol=1e-6), (name, got[1], base[1])
+        for it in base:
+            assert close(got[it], base[it]), (name, it, got[it], base[it])
+
+
+MEGATRON_LM_FAMILY = ["--group-query-attention", "--num-query-groups", "2", "--normalization", "RMSNorm", "--swiglu",
+                      "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--init-method-std", "0.01",
+                      "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--adam-beta1", "0.9",
+                      "--adam-beta2", "0.95", "--lr-decay-style", "cosine", "--use-mcore-models",
+                      "--transformer-impl", "local", "--eval-iters", "0", "--eval-interval", "2"]
+
+
+def test_megatron_lm_command_line_of_a_llama_style_gpt(tmp_path):
+    """Megatron-LM's flags for a GQA / RMSNorm / SwiGLU / untied / bias-free GPT work, with
+    --eval-iters 0 (no evaluation): ulysses 2 gives 1 rank's losses."""
+    out = {}
+    for name, nproc, extra in [("u1", 1, []), ("u2", 2, ["--ulysses-degree", "2"])]:
+        d = tmp_path / name
+        d.mkdir()
+        r = launch(nproc, COMMON + MEGATRON_LM_FAMILY + extra + ["--train-iters", "3"], d)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        assert "validation loss" not in r.stdout
+        out[name] = losses(d)
+    assert sorted(out["u1"]) == [1, 2, 3]
+    for it in out["u1"]:
+        assert close(out["u2"][it], out["u1"][it], rtol=1e-5), (it, out["u2"][it], out["u1"][it])
+
+
+def test_only_a_failed_collective_is_reported_as_a_dead_peer():
+    import importlib.util
+
+    import torch.distributed as dist
+
+    spec = importlib.util.spec_from_file_location("pretrain_gpt_example", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    gloo = RuntimeError("[third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:5")
+    assert mod._is_collective_failure(gloo)
+    assert mod._is_collective_failure(dist.DistBackendError("NCCL error in: ... unhandled system error"))
+    for local in (RuntimeError("Torch not compiled with CUDA enabled"), AttributeError("no attribute 'x'"),
+                  RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 16x8)"), KeyError("lm loss")):
+        assert not mod._is_collective_failure(local), local
 
 
 def test_plot_training_draws_a_png(runs, tmp_path):

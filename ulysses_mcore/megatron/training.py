@@ -77,14 +77,59 @@ def build_gpt(
     return ddp
 
 
+def init_layout_independent(model, config, seed: int) -> int:
+    """Re-draw every random weight so the initial model is the same for any tp, pp, ulysses,
+    cp and dp: each weight of two or more dims is drawn at its *full* (unsharded) shape from a
+    generator keyed by ``(seed, global parameter name)`` -- normal(0, ``init_method_std``),
+    scaled by ``1/sqrt(2 * num_layers)`` for ``linear_proj`` / ``linear_fc2`` as Megatron's
+    ``output_layer_init_method`` -- and this rank's tensor-parallel slice is kept.  Vectors
+    (biases, norms) are already constants.  Megatron's own init draws from one stream per
+    rank, so a pipeline stage's layers (and tp shards) depend on the layout; this does not.
+    Call before the optimizer is built (it copies the weights).  Returns the count re-drawn."""
+    import hashlib
+    import math
+
+    from megatron.core import parallel_state as ps
+
+    core = model.module if hasattr(model, "module") else model
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    std = config.init_method_std
+    scaled = std / math.sqrt(2.0 * config.num_layers)
+    count = 0
+    for name, p in core.named_parameters():
+        if p.dim() < 2:
+            continue
+        key = global_layer_name(core, name)
+        if key == "output_layer.weight" and getattr(core, "share_embeddings_and_output_weights", False):
+            key = "embedding.word_embeddings.weight"  # the last stage's copy of the tied embedding
+        digest = hashlib.sha256(f"{seed}:{key}".encode()).digest()
+        gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+        dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else -1
+        shape = list(p.shape)
+        if dim >= 0:
+            shape[dim] *= tp
+        full = torch.empty(shape, dtype=torch.float32).normal_(
+            0.0, scaled if key.endswith(("linear_proj.weight", "linear_fc2.weight")) else std, generator=gen)
+        if dim >= 0:
+            halves = [full]
+            if config.gated_linear_unit and key.endswith("linear_fc1.weight"):
+                halves = full.chunk(2, dim)  # [gate; up]: each rank holds a slice of each
+            full = torch.cat([h.chunk(tp, dim)[tp_rank] for h in halves], dim)
+        with torch.no_grad():
+            p.copy_(full)
+        count += 1
+    return count
+
+
 def build_optimizer(model, *, lr: float = 1e-3, min_lr: float = 0.0, weight_decay: float = 0.0,
                     clip_grad: float = 1.0, bf16: bool = False, use_distributed_optimizer: bool = False,
-                    adam_beta2: float = 0.95):
+                    adam_beta1: float = 0.9, adam_beta2: float = 0.999, adam_eps: float = 1e-8):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     cfg = OptimizerConfig(optimizer="adam", lr=lr, min_lr=min_lr, weight_decay=weight_decay, clip_grad=clip_grad,
                           bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
-                          use_distributed_optimizer=use_distributed_optimizer, adam_beta2=adam_beta2)
+                          use_distributed_optimizer=use_distributed_optimizer, adam_beta1=adam_beta1,
+                          adam_beta2=adam_beta2, adam_eps=adam_eps)
     return get_megatron_optimizer(cfg, [model])
 
 
@@ -212,5 +257,5 @@ def global_layer_name(model, name: str) -> str:
     return f"{m.group(1)}{layer.layer_number - 1}{m.group(3)}"
 
 
-__all__ = ["gpt_config", "build_gpt", "build_optimizer", "forward_backward", "train_step", "evaluate",
+__all__ = ["gpt_config", "build_gpt", "init_layout_independent", "build_optimizer", "forward_backward", "train_step", "evaluate",
            "global_layer_name", "NonFiniteError"]
