@@ -9,6 +9,7 @@ MoE MLPs, the norms) is kept as it is, and Megatron's own ``GPTModel`` /
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Optional, Union
 
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -17,11 +18,13 @@ from ..attention import UlyssesAttention
 
 
 def swap_core_attention(spec, *, backend: Union[str, object] = "sdpa", ulysses_group=None):
-    """A deep copy of ``spec`` with every self-attention ``core_attention`` made Ulysses.
+    """``spec`` with every self-attention ``core_attention`` made Ulysses.
 
     Works on a layer spec, a ``TransformerBlockSubmodules`` (``layer_specs`` list) or any
-    nesting of ``ModuleSpec`` s.  Returns the copy; raises if nothing was swapped."""
-    spec = copy.deepcopy(spec)
+    nesting of ``ModuleSpec`` s, dataclasses, lists and ``functools.partial`` s (megatron-core
+    0.19 builds MLP specs as partials).  Copies only the nodes on the way to a swapped
+    ``core_attention``: everything else is the very object of ``spec`` (the input is never
+    modified).  Raises if nothing was swapped."""
     params = {"backend": backend}
     if ulysses_group is not None:
         params["ulysses_group"] = ulysses_group
@@ -29,28 +32,43 @@ def swap_core_attention(spec, *, backend: Union[str, object] = "sdpa", ulysses_g
 
     def visit(node):
         if isinstance(node, ModuleSpec):
-            visit(node.submodules)
-            return
+            sub = visit(node.submodules)
+            return node if sub is node.submodules else _replaced(node, submodules=sub)
+        if isinstance(node, functools.partial):
+            args = [visit(a) for a in node.args]
+            keywords = {k: visit(v) for k, v in node.keywords.items()}
+            if all(a is b for a, b in zip(args, node.args)) and all(keywords[k] is v for k, v in node.keywords.items()):
+                return node
+            return functools.partial(node.func, *args, **keywords)
         if isinstance(node, (list, tuple)):
-            for n in node:
-                visit(n)
-            return
-        if node is None or not hasattr(node, "__dataclass_fields__"):
-            if hasattr(node, "layer_specs"):
-                visit(node.layer_specs)
-            return
+            items = [visit(n) for n in node]
+            return node if all(a is b for a, b in zip(items, node)) else type(node)(items)
+        if isinstance(node, type) or not hasattr(node, "__dataclass_fields__"):
+            return node
+        changes = {}
         if hasattr(node, "core_attention") and hasattr(node, "linear_qkv"):
-            node.core_attention = ModuleSpec(module=UlyssesAttention, params=dict(params))
+            changes["core_attention"] = ModuleSpec(module=UlyssesAttention, params=dict(params))
             count[0] += 1
         for name in node.__dataclass_fields__:
-            child = getattr(node, name)
-            if isinstance(child, (ModuleSpec, list, tuple)) or hasattr(child, "__dataclass_fields__"):
-                visit(child)
+            if name not in changes:
+                child = getattr(node, name)
+                new = visit(child)
+                if new is not child:
+                    changes[name] = new
+        return _replaced(node, **changes) if changes else node
 
-    visit(spec)
+    out = visit(spec)
     if not count[0]:
         raise ValueError("swap_core_attention: the spec has no self-attention core_attention to swap")
-    return spec
+    return out
+
+
+def _replaced(node, **changes):
+    """A shallow copy of ``node`` with some attributes changed."""
+    new = copy.copy(node)
+    for name, value in changes.items():
+        setattr(new, name, value)
+    return new
 
 
 def get_ulysses_layer_spec(
