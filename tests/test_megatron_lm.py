@@ -38,8 +38,8 @@ pytestmark = [pytest.mark.spawn, pytest.mark.skipif(not os.path.isfile(SCRIPT) o
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128",
         "--max-position-embeddings", "128", "--micro-batch-size", "2", "--global-batch-size", "8",
         "--lr", "1e-3", "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000", "--seed", "1234",
-        "--attention-dropout", "0", "--hidden-dropout", "0", "--mock-data", "--tokenizer-type", "NullTokenizer",
-        "--vocab-size", "255"]
+        "--attention-dropout", "0", "--hidden-dropout", "0", "--tokenizer-type", "NullTokenizer"]
+MOCK = ["--mock-data", "--vocab-size", "255"]  # unless a case gives --data-path
 CPU = ["--distributed-backend", "gloo", "--transformer-impl", "local", "--no-gradient-accumulation-fusion",
        "--no-persist-layer-norm", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-masked-softmax-fusion",
        "--no-rope-fusion"]
@@ -57,7 +57,7 @@ def run_megatron_lm(nproc: int, flags, iters: int = 4, timeout: int = 300):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-port", str(free_port()), "-m", "megatron_patches.launch",
            os.path.join(ROOT, "tests", "megatron_lm_probe.py"), SCRIPT,
-           *CPU, *TINY, "--train-iters", str(iters), *flags]
+           *CPU, *TINY, *([] if "--data-path" in flags else MOCK), "--train-iters", str(iters), *flags]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     out = p.stdout + p.stderr
     assert p.returncode == 0, f"{' '.join(cmd)}\nexit {p.returncode}\n{out[-6000:]}"
@@ -104,6 +104,21 @@ def test_loss_lines_equal_without_ulysses(layout):
     want = run_megatron_lm(world, without)
     assert "[ulysses-mcore]" not in want[2]  # no flag: Megatron-LM's own attention, untouched
     assert_same_lines(got, want, range(1, 5), layout)
+
+
+def test_indexed_data_ulysses2(tmp_path_factory):
+    """Megatron's indexed dataset (.bin/.idx from tools/preprocess_data.py, byte tokens 0-256)
+    instead of --mock-data; NullTokenizer with --vocab-size 257 covers the ids."""
+    prefix = str(tmp_path_factory.mktemp("indexed") / "kjv")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"), "--input",
+                        os.path.join(ROOT, "data", "kjv_genesis_exodus.jsonl"), "--output-prefix", prefix],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    data = ["--data-path", prefix, "--split", "98,2,0", "--vocab-size", "257", *ROPE]
+    got = run_megatron_lm(2, ["--ulysses-degree", "2", *data])
+    want = run_megatron_lm(2, data)
+    assert "UlyssesAttention" in got[2] and "MockGPTDataset" not in got[2]
+    assert_same_lines(got, want, range(1, 5), "indexed data")
 
 
 def test_ulysses2_checkpoint_resumes_at_ulysses1(tmp_path):
