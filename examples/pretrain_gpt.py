@@ -276,7 +276,7 @@ def main(argv=None):
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     else:
         cpu_compat.apply()
-        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS") or "1")))
     if "RANK" not in os.environ:  # plain `python examples/pretrain_gpt.py`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29533"))
     from datetime import timedelta

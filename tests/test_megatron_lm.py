@@ -132,9 +132,9 @@ def test_ulysses2_checkpoint_resumes_at_ulysses1(tmp_path):
     assert_same_lines(saved, want, range(1, 5), "ulysses 2 before the save")
     resumed = run_megatron_lm(2, [*ROPE, "--load", ckpt], iters=6)
     assert sorted(resumed[0]) == [5, 6], resumed[2][-3000:]
-    # Megatron-LM's line for iteration 6 of a resumed run prints the mean of iterations 5 and 6
-    # (its loss accumulator is not reset after the first line following a load, with or without
-    # Ulysses), so its own lines are compared at iteration 5, the probe's at 5 and 6
+    # Megatron-LM's second line of a run prints the mean of its first two iterations (its own
+    # logging, with or without Ulysses): the resumed run's line 6 is the mean of 5 and 6 while the
+    # uninterrupted run's is not, so its own lines are compared at iteration 5, the probe's at 5, 6
     assert_same_lines(resumed, want, range(5, 7), "resumed at ulysses 1", logged=[5])
 
 
