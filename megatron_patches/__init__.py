@@ -3,7 +3,8 @@
     torchrun --nproc-per-node 8 -m megatron_patches.launch /path/to/Megatron-LM/pretrain_gpt.py \
         --ulysses-degree 4 --tensor-model-parallel-size 2 ... (Megatron-LM's usual flags)
 
-or, inside your own copy of the script::
+or, inside your own copy of the script (megatron-core <= 0.16; from 0.19 pass the provider
+to ``parse_and_validate_args``)::
 
     import megatron_patches
     megatron_patches.apply()
@@ -22,7 +23,12 @@ What :func:`apply` does (idempotent; :func:`remove` undoes it):
 3. The GPT layer-spec functions of megatron-core (local, Transformer Engine, decoder
    block) return their usual spec with ``core_attention`` swapped for
    ``UlyssesAttention`` (inner kernel TE when the spec is TE's, else SDPA) -- through
-   ``ModuleSpec``, never by patching ``SelfAttention``.
+   ``ModuleSpec``, never by patching ``SelfAttention``.  megatron-core 0.19's own GPT
+   builder (``megatron.training.models.gpt``) imports them by name and forces Megatron's
+   ``DotProductAttention`` for the local attention backend: both names are rebound there.
+   Only when ``--ulysses-degree`` > 1: without it the model is Megatron-LM's, untouched.
+4. ``megatron.core.datasets.utils.compile_helpers`` skips ``make`` when the prebuilt
+   helpers import (the megatron-core wheel ships them and no Makefile).
 """
 
 from __future__ import annotations
