@@ -474,7 +474,7 @@ def train(args, topo, use_cuda):
             writer.writerow([iteration, consumed, f"{m['loss']:.8e}", f"{lr:.6e}", f"{m['grad_norm']:.6f}",
                              f"{dt * 1e3:.2f}", f"{tps:.1f}", f"{peak:.3f}", "train"])
             fh.flush()
-        if vsampler is not None and args.eval_iters and args.eval_interval and iteration % args.eval_interval == 0:
+        if vsampler is not None and args.eval_interval and iteration % args.eval_interval == 0:
             losses = [training.evaluate(model, shard(vsampler.microbatches(i * G)), seq_length=sched_seq,
                                         micro_batch_size=sched_mbs) for i in range(args.eval_iters)]
             if is_logger:

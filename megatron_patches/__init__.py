@@ -181,9 +181,7 @@ def _local_core_attention(original):
     """What megatron.training's GPT builder puts in for ``--attention-backend local``."""
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from ulysses_mcore import UlyssesAttention
-
-    _LOCAL_SPEC.update(original=original, spec=ModuleSpec(module=original, params={}))
+    _LOCAL_SPEC["spec"] = ModuleSpec(module=original, params={})
     return _LOCAL_SPEC["spec"]  # a shared spec: fold_args makes it Ulysses when --ulysses-degree > 1
 
 

@@ -67,12 +67,11 @@ def _same(a, b):
 def test_spec_swap_looks_inside_partials():
     import functools
 
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     from ulysses_mcore import UlyssesAttention
-    from ulysses_mcore.megatron.specs import get_ulysses_layer_spec, swap_core_attention
-
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from ulysses_mcore.megatron.specs import swap_core_attention
 
     base = get_gpt_layer_local_spec()
     wrapped = ModuleSpec(module=object, submodules=functools.partial(dict, layer=base))

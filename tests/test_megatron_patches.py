@@ -91,21 +91,21 @@ before = {name: getattr(init, name) for name in ("initialize_megatron", "_initia
 before_stream = torch.cuda.current_stream
 assert not torch.cuda.is_available()
 assert cpu_compat.apply_megatron_lm() is True and cpu_compat.apply_megatron_lm() is True  # idempotent
-# 7: initialize_megatron is called with allow_no_cuda=True (training.py's by-name import too)
+# 6: initialize_megatron is called with allow_no_cuda=True (training.py's by-name import too)
 assert init.initialize_megatron.__wrapped__ is before["initialize_megatron"]
 assert training.initialize_megatron is init.initialize_megatron
 assert cpu_compat._allow_no_cuda(lambda **k: k)(allow_no_cuda=False) == {"allow_no_cuda": True}
-# 8: one device inside _initialize_distributed / _set_random_seed only
+# 7: one device inside _initialize_distributed / _set_random_seed only
 assert cpu_compat._with_one_device(lambda: torch.cuda.device_count())() == 1 and torch.cuda.device_count() == 0
 cpu_compat._with_one_device(lambda: torch.cuda.set_device(3))()  # a no-op inside
 assert init._set_random_seed.__wrapped__ is before["_set_random_seed"]
-# 9: no fused-kernel build, no CUDA warm-up
+# 8: no fused-kernel build, no CUDA warm-up
 try:
     import megatron.legacy.fused_kernels as fk  # Megatron-LM 0.16; the 0.19 wheel has no legacy kernels
 except ImportError:
     fk = None
 assert (fk is None or fk.load(None) is None) and init._warmup_jit_function() is None
-# 10: no CUDA architecture
+# 9: no CUDA architecture
 assert arguments.get_device_arch_version() == 0
 # 5: streams and events are torch's CPU stand-ins
 side = torch.cuda.Stream()

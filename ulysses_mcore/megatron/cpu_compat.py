@@ -21,14 +21,14 @@ is installed only without CUDA (or with ``force``) and undone by :func:`remove`.
 
 :func:`apply_megatron_lm` (idempotent; after :func:`apply`) -- for Megatron-LM's trainer:
 
-7. ``initialize_megatron`` runs with ``allow_no_cuda=True`` (it asserts CUDA otherwise).
-8. ``_initialize_distributed`` and ``_set_random_seed`` see one "device": without it they
+6. ``initialize_megatron`` runs with ``allow_no_cuda=True`` (it asserts CUDA otherwise).
+7. ``_initialize_distributed`` and ``_set_random_seed`` see one "device": without it they
    skip ``initialize_model_parallel`` and the model-parallel RNG seeds when
    ``torch.cuda.device_count() == 0``; ``torch.cuda.set_device`` is a no-op meanwhile.
-9. ``megatron.legacy.fused_kernels.load`` does nothing (CUDA kernels; the CPU path never
+8. ``megatron.legacy.fused_kernels.load`` does nothing (CUDA kernels; the CPU path never
    calls them), nor does ``_warmup_jit_function`` (it warms fused kernels up on CUDA tensors).
-10. ``get_device_arch_version`` answers 0 (no CUDA architecture: Megatron-LM keeps its
-    pre-Blackwell rules, e.g. ``CUDA_DEVICE_MAX_CONNECTIONS=1`` with context parallelism).
+9. ``get_device_arch_version`` answers 0 (no CUDA architecture: Megatron-LM keeps its
+   pre-Blackwell rules, e.g. ``CUDA_DEVICE_MAX_CONNECTIONS=1`` with context parallelism).
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-import os
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -100,12 +99,12 @@ def apply(force: bool = False) -> bool:
     for name in ("current_device", "synchronize", "empty_cache", "get_rng_state", "set_rng_state",
                  "manual_seed", "manual_seed_all", "memory_allocated", "max_memory_allocated",
                  "reset_peak_memory_stats"):
-        _SAVED[("cuda", name)] = getattr(cuda, name)
-    _SAVED[("mrandom", "_get_cuda_rng_state")] = mrandom._get_cuda_rng_state
-    _SAVED[("mrandom", "_set_cuda_rng_state")] = mrandom._set_cuda_rng_state
+        _SAVED[("torch.cuda", name)] = getattr(cuda, name)
+    for name in ("_get_cuda_rng_state", "_set_cuda_rng_state"):
+        _SAVED[(mrandom.__name__, name)] = getattr(mrandom, name)
 
     for name in ("Stream", "current_stream", "stream", "Event", "set_stream"):
-        _SAVED[("cuda", name)] = getattr(cuda, name)
+        _SAVED[("torch.cuda", name)] = getattr(cuda, name)
     cuda.Stream = torch.cpu.Stream
     cuda.current_stream = lambda *a, **k: torch.cpu.current_stream()
     cuda.stream = torch.cpu.stream
@@ -134,18 +133,11 @@ def remove() -> None:
     global _MODE
     if not _SAVED:
         return
-    import megatron.core.tensor_parallel.random as mrandom
-
     if _MODE is not None:
         _MODE.__exit__(None, None, None)
         _MODE = None
-    for (where, name), fn in _SAVED.items():
-        if where == "cuda":
-            setattr(torch.cuda, name, fn)
-        elif where == "mrandom":
-            setattr(mrandom, name, fn)
-        else:
-            setattr(importlib.import_module(where), name, fn)
+    for (modname, name), fn in _SAVED.items():
+        setattr(importlib.import_module(modname), name, fn)
     _SAVED.clear()
 
 
@@ -187,7 +179,7 @@ def _patch(modname: str, name: str, new) -> None:
 
 
 def apply_megatron_lm(force: bool = False) -> bool:
-    """Also adapt Megatron-LM's ``megatron.training`` (shims 7-9) when CUDA is absent; return
+    """Also adapt Megatron-LM's ``megatron.training`` (shims 6-9) when CUDA is absent; return
     whether they are active.  Needs Megatron-LM importable; applies :func:`apply` first."""
     if not apply(force):
         return False
