@@ -185,3 +185,26 @@ def reference_attention(
     probs = torch.nan_to_num(probs, nan=0.0)  # fully masked rows
     out = torch.einsum("bhqk,bhkd->bhqd", probs, vb)
     return out.permute(2, 0, 1, 3) if layout == "sbhd" else out.transpose(1, 2)
+
+
+def run_in_session(cmd, *, env, cwd, timeout: float):
+    """Run ``cmd`` (e.g. torchrun) in its own session, output to files; the whole session is
+    killed afterwards, so helpers a killed rank leaves behind (dist_checkpointing's writer
+    queue manager) cannot linger.  Returns ``(returncode, stdout, stderr)``."""
+    import signal
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=str(cwd), start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+        out.seek(0)
+        err.seek(0)
+        return rc, out.read(), err.read()

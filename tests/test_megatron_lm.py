@@ -22,7 +22,7 @@ import sys
 import pytest
 import torch
 
-from tests.helpers import free_port
+from tests.helpers import free_port, run_in_session
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MEGATRON_LM = os.environ.get("MEGATRON_LM", "")
@@ -58,9 +58,9 @@ def run_megatron_lm(nproc: int, flags, iters: int = 4, timeout: int = 300):
            "--master-port", str(free_port()), "-m", "megatron_patches.launch",
            os.path.join(ROOT, "tests", "megatron_lm_probe.py"), SCRIPT,
            *CPU, *TINY, *([] if "--data-path" in flags else MOCK), "--train-iters", str(iters), *flags]
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    out = p.stdout + p.stderr
-    assert p.returncode == 0, f"{' '.join(cmd)}\nexit {p.returncode}\n{out[-6000:]}"
+    rc, stdout, stderr = run_in_session(cmd, env=env, cwd=ROOT, timeout=timeout)
+    out = stdout + stderr
+    assert rc == 0, f"{' '.join(cmd)}\nexit {rc}\n{out[-6000:]}"
     probe = {int(m[1]): (float(m[2]), float(m[3])) for m in re.finditer(r"^PROBE (\d+) (\S+) (\S+)", out, re.M)}
     logged = {int(m[1]): (float(m[2]), float(m[3])) for m in re.finditer(
         r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: (\S+) \|.*?grad norm: (\S+) \|", out)}

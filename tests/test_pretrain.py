@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from tests.helpers import free_port
+from tests.helpers import free_port, run_in_session
 
 pytestmark = pytest.mark.spawn
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,28 +29,12 @@ class Result:
 
 
 def launch(nproc, args, log_dir, timeout=300):
-    """torchrun in its own session, output to files; the whole session is killed afterwards, so
-    helpers a killed rank leaves behind (dist_checkpointing's writer queue manager) cannot linger."""
-    import signal
-    import tempfile
-
+    """torchrun of the pretrain script in its own session (tests.helpers.run_in_session)."""
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     cmd = [torchrun, "--nproc-per-node", str(nproc), "--master-port", str(free_port()), SCRIPT, *args,
            "--log-dir", str(log_dir)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=str(log_dir), start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
-        out.seek(0)
-        err.seek(0)
-        return Result(rc, out.read(), err.read())
+    return Result(*run_in_session(cmd, env=env, cwd=log_dir, timeout=timeout))
 
 
 def losses(log_dir):
