@@ -127,8 +127,7 @@ def _wrap_init(fn):
         from ulysses_mcore.megatron.groups import sequence_groups_of_parallel_state
 
         ulysses_group, ring_group = sequence_groups_of_parallel_state(max(_STATE["ulysses"], 1), _STATE["cp"])
-        state.set_ulysses_group(ulysses_group)
-        state.set_ring_group(ring_group)
+        state.register(ulysses_group, ring_group, _topology_of_parallel_state())
         if _STATE["ulysses"] > 1:
             from megatron.core import parallel_state as ps
 
@@ -140,6 +139,22 @@ def _wrap_init(fn):
 
     initialize_model_parallel._ulysses = True
     return initialize_model_parallel
+
+
+def _topology_of_parallel_state():
+    """Megatron-LM's world as a Topology (its order tp-cp-ep-dp-pp is ours with cp = ulysses x ring)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from ulysses_mcore.topology import Topology, TopologyError
+
+    try:
+        return Topology(dist.get_world_size(), tp=ps.get_tensor_model_parallel_world_size(),
+                        ulysses=max(_STATE["ulysses"], 1), cp=_STATE["cp"],
+                        pp=ps.get_pipeline_model_parallel_world_size(),
+                        ep=ps.get_expert_model_parallel_world_size())
+    except (TopologyError, AssertionError, AttributeError, RuntimeError):
+        return None  # a layout Topology does not model (e.g. expert-tensor folding): groups still hold
 
 
 def _wrap_spec(fn, default_backend):

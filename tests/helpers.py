@@ -208,3 +208,48 @@ def run_in_session(cmd, *, env, cwd, timeout: float):
         out.seek(0)
         err.seek(0)
         return rc, out.read(), err.read()
+
+
+# ----------------------------------------------------------------------------- instrumentation
+class CollectiveCounter:
+    """Counts torch.distributed collectives per thread (per rank of a threaded world) while
+    installed: the tests' instrument, so product code carries none.  ``with count_collectives()
+    as c: ...; c.get("all_to_all_single")`` -> this thread's calls."""
+
+    NAMES = ("all_to_all_single", "all_gather", "all_gather_object", "all_reduce", "broadcast")
+
+    def __init__(self):
+        self.counts = {}
+        self._lock = threading.Lock()
+        self._saved = {}
+
+    def _wrap(self, name, fn):
+        def counted(*a, **kw):
+            key = (threading.get_ident(), name)
+            with self._lock:
+                self.counts[key] = self.counts.get(key, 0) + 1
+            return fn(*a, **kw)
+
+        return counted
+
+    def __enter__(self):
+        for n in self.NAMES:
+            self._saved[n] = getattr(dist, n)
+            setattr(dist, n, self._wrap(n, self._saved[n]))
+        return self
+
+    def __exit__(self, *exc):
+        for n, fn in self._saved.items():
+            setattr(dist, n, fn)
+
+    def get(self, name: str) -> int:
+        """This thread's calls of ``name``."""
+        return self.counts.get((threading.get_ident(), name), 0)
+
+    def total(self, name: str) -> int:
+        """Every thread's calls of ``name``."""
+        return sum(n for (_, nm), n in self.counts.items() if nm == name)
+
+
+def count_collectives() -> CollectiveCounter:
+    return CollectiveCounter()

@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 
 import ulysses_mcore
-from ulysses_mcore import checks, comm
-from tests.helpers import reference_attention, run_threaded
+from ulysses_mcore import exchange
+from tests.helpers import count_collectives, reference_attention, run_threaded
 
 FP32_RTOL = 1e-5  # max |err| / max |ref|
 BF16_RTOL = 2e-2
@@ -80,7 +80,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if comm.head_plan_error(c[3], c[4], c[0]) is None],
+@pytest.mark.parametrize("case", [c for c in CASES if exchange.is_even(c[3], c[4], c[0])],
                          ids=lambda c: "P{}_s{}_b{}_q{}kv{}_d{}_{}_{}".format(*c[:7], "causal" if c[7] else "full"))
 def test_fp32_matches_float64_reference(case):
     errs = run_case(*case)
@@ -114,33 +114,45 @@ def test_bf16(P, hq, hk):
     assert max(errs) < BF16_RTOL, errs
 
 
+def _calls(c):
+    return {n: c.get(n) for n in ("all_to_all_single", "all_gather", "all_gather_object", "all_reduce")}
+
+
 def test_collective_count_per_call():
+    """First call of a signature: the records cross once (one all_gather_object) + 2 all-to-alls;
+    steady state: exactly 2 all-to-alls forward and 2 backward, nothing else."""
+    from ulysses_mcore.validation import Validator
+
     q, k, v, dout, _, _ = make_inputs(0, 16, 1, 4, 2, 8, "sbhd")
 
     def rank_fn(rank, world):
-        qs, ks, vs = (t.chunk(world)[rank].clone().requires_grad_() for t in (q, k, v))
-        a0, g0 = comm.COLLECTIVE_CALLS["all_to_all_single"], checks.COLLECTIVE_CALLS["all_gather"]
-        dist.barrier()
-        out = ulysses_mcore.ulysses_attention(qs, ks, vs, group=dist.group.WORLD, causal=True)
-        dist.barrier()
-        a1, g1 = comm.COLLECTIVE_CALLS["all_to_all_single"], checks.COLLECTIVE_CALLS["all_gather"]
-        dist.barrier()
-        out.backward(dout.chunk(world)[rank])
-        dist.barrier()
-        a2 = comm.COLLECTIVE_CALLS["all_to_all_single"]
-        return a1 - a0, g1 - g0, a2 - a1
+        validator = Validator()
+        out = []
+        for _ in range(3):
+            qs, ks, vs = (t.chunk(world)[rank].clone().requires_grad_() for t in (q, k, v))
+            before = _calls(c)
+            o = ulysses_mcore.ulysses_attention(qs, ks, vs, group=dist.group.WORLD, causal=True, validator=validator)
+            mid = _calls(c)
+            o.backward(dout.chunk(world)[rank])
+            after = _calls(c)
+            out.append(({n: mid[n] - before[n] for n in mid}, {n: after[n] - mid[n] for n in mid}))
+        return out
 
-    # counters are per process, shared by the threads: divide by the world size
-    res = run_threaded(2, rank_fn)
-    fwd_a2a, fwd_gather, bwd_a2a = (x / 2 for x in res[0])
-    assert (fwd_a2a, fwd_gather, bwd_a2a) == (2, 1, 2)
+    with count_collectives() as c:
+        results = run_threaded(2, rank_fn)
+    for rank_calls in results:
+        (f0, b0), (f1, b1), (f2, b2) = rank_calls
+        assert f0["all_gather_object"] == 1 and f0["all_to_all_single"] == 2, f0
+        for f, b in ((f1, b1), (f2, b2)):
+            assert f == {"all_to_all_single": 2, "all_gather": 0, "all_gather_object": 0, "all_reduce": 0}, f
+            assert b == {"all_to_all_single": 2, "all_gather": 0, "all_gather_object": 0, "all_reduce": 0}, b
 
 
 def test_group_of_one_is_direct():
     q, k, v, dout, _, _ = make_inputs(1, 16, 2, 4, 2, 8, "sbhd")
-    before = comm.COLLECTIVE_CALLS["all_to_all_single"]
-    out = ulysses_mcore.ulysses_attention(q, k, v, group=None, causal=True)
-    assert comm.COLLECTIVE_CALLS["all_to_all_single"] == before
+    with count_collectives() as c:
+        out = ulysses_mcore.ulysses_attention(q, k, v, group=None, causal=True)
+    assert c.get("all_to_all_single") == 0
     ref = reference_attention(q, k, v, causal=True)
     assert rel_err(out, ref) < FP32_RTOL
 
@@ -188,18 +200,16 @@ def test_overlap_collective_count_and_rejection():
 
     def rank_fn(rank, world):
         qs, ks, vs = (t.chunk(world)[rank].clone().requires_grad_() for t in (q, k, v))
-        a0 = comm.COLLECTIVE_CALLS["all_to_all_single"]
-        dist.barrier()
-        out = ulysses_mcore.ulysses_attention(qs, ks, vs, group=dist.group.WORLD, causal=True, overlap_chunks=4)
-        dist.barrier()
-        a1 = comm.COLLECTIVE_CALLS["all_to_all_single"]
-        dist.barrier()
+        a0 = c.get("all_to_all_single")
+        out = ulysses_mcore.ulysses_attention(qs, ks, vs, group=dist.group.WORLD, causal=True,
+                                              overlap_chunks=4, check=False)
+        a1 = c.get("all_to_all_single")
         out.backward(dout.chunk(world)[rank])
-        dist.barrier()
-        return a1 - a0, comm.COLLECTIVE_CALLS["all_to_all_single"] - a1
+        return a1 - a0, c.get("all_to_all_single") - a1
 
-    fwd, bwd = run_threaded(2, rank_fn)[0]
-    assert (fwd / 2, bwd / 2) == (8, 8)  # 2 x chunks each way (counters shared by the 2 threads)
+    with count_collectives() as c:
+        fwd, bwd = run_threaded(2, rank_fn)[0]
+    assert (fwd, bwd) == (8, 8)  # 2 x chunks each way
     from tests.helpers import run_threaded_errors
 
     q2, k2, v2, _, _, _ = make_inputs(6, 16, 1, 8, 2, 8, "sbhd")
@@ -222,16 +232,18 @@ UNEVEN = [
 @pytest.mark.parametrize("case", UNEVEN, ids=lambda c: "P{}_q{}kv{}_{}".format(c[0], c[3], c[4], c[6]))
 def test_uneven_heads_match_reference(case):
     P, S, b, hq, hk, d, layout, causal, mask = case
-    assert comm.head_plan_error(hq, hk, P) is not None and comm.head_layout_error(hq, hk, P) is None
+    assert not exchange.is_even(hq, hk, P) and exchange.head_layout_error(hq, hk, P) is None
     errs = run_case(P, S, b, hq, hk, d, layout, causal, mask=mask, bias=mask)
     assert max(errs) < FP32_RTOL, errs
 
 
 def test_uneven_split_and_kv_sharing():
-    from ulysses_mcore.uneven import UnevenPlan
+    from ulysses_mcore.exchange import HeadPlan
 
-    p = UnevenPlan(28, 7, 4)
+    p = HeadPlan(28, 7, 4)
     assert [p.q_range(r) for r in range(4)] == [(0, 7), (7, 14), (14, 21), (21, 28)]
-    assert [p.kv_heads(r) for r in range(4)] == [[0, 1], [1, 2, 3], [3, 4, 5], [5, 6]]
+    assert [p.kv_heads_of_rank(r) for r in range(4)] == [[0, 1], [1, 2, 3], [3, 4, 5], [5, 6]]
     assert p.kv_index_for_q(1) == [0, 1, 1, 1, 1, 2, 2]
-    assert [UnevenPlan(7, 7, 4).q_count(r) for r in range(4)] == [2, 2, 2, 1]
+    assert [HeadPlan(7, 7, 4).q_count(r) for r in range(4)] == [2, 2, 2, 1]
+    # one plan for both: the regular (even) layouts are the uniform special case
+    assert HeadPlan(8, 2, 4).regular and HeadPlan(8, 2, 4).uniform and not HeadPlan(7, 7, 4).uniform

@@ -121,14 +121,18 @@ def test_construction_errors_name_the_flag():
     assert all(isinstance(e, ValueError) and "--ulysses-degree x --context-parallel-size" in str(e) for e in errs), errs
 
 
-def test_megatron_per_document_thd_layout():
-    """Megatron-LM / TE's THD context-parallel batches (every document padded to 2 x CP, dealt
-    out in dual chunks per document, cu_seqlens_q_padded) give exact attention."""
+@pytest.mark.parametrize("P", [1, 2])
+@pytest.mark.parametrize("mask_type", [AttnMaskType.padding_causal, AttnMaskType.padding])
+def test_megatron_per_document_thd_layout(P, mask_type):
+    """Megatron-LM / TE's THD batches with padding between documents (cu_seqlens_q real,
+    cu_seqlens_q_padded padded; at P > 1 every document padded to 2 x CP and dealt out in dual
+    chunks per document): exact on every row -- pads are neither queries nor keys (zero output,
+    zero gradient) although their output gradient is not zero."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from ulysses_mcore.megatron.batch import document_mask
 
-    P, heads, d = 2, 4, 8
+    heads, d = 4, 8
     real = [5, 11, 3]                      # document lengths
     padded = [8, 12, 4]                    # each padded to a multiple of 2P = 4
     cu_pad = torch.tensor([0, 8, 20, 24], dtype=torch.int32)
@@ -146,7 +150,7 @@ def test_megatron_per_document_thd_layout():
 
     def rank_fn(rank, world):
         mod = UlyssesAttention(config(heads, heads, hidden=heads * d, context_parallel_size=P), 1,
-                               AttnMaskType.causal, ulysses_group=dist.group.WORLD)
+                               mask_type, ulysses_group=dist.group.WORLD)
         qs, ks, vs = (te_shard(t, rank).clone().requires_grad_() for t in (q, k, v))
         psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_real, cu_seqlens_kv=cu_real,
                               cu_seqlens_q_padded=cu_pad, cu_seqlens_kv_padded=cu_pad)
@@ -155,15 +159,33 @@ def test_megatron_per_document_thd_layout():
         return out.detach().view(-1, heads, d), qs.grad, ks.grad, vs.grad
 
     res = run_threaded(P, rank_fn)
+    is_real = torch.zeros(T, dtype=torch.bool)
+    for lo, n in zip(cu_pad[:-1].tolist(), real):
+        is_real[lo:lo + n] = True
+    mask = document_mask(cu_pad, T) | ~is_real[None, None, None, :] | ~is_real[None, None, :, None]
     qr, kr, vr = (t.double().unsqueeze(1).requires_grad_() for t in (q, k, v))
-    ref = reference_attention(qr, kr, vr, causal=True, attention_mask=document_mask(cu_pad, T))
+    ref = reference_attention(qr, kr, vr, causal=mask_type == AttnMaskType.padding_causal, attention_mask=mask)
     ref.backward(dout.double().unsqueeze(1))
-    real_rows = torch.cat([torch.arange(lo, lo + n) for lo, n in zip(cu_pad[:-1].tolist(), real)])
     for i, want in enumerate((ref.detach(), qr.grad, kr.grad, vr.grad)):
         want = want.squeeze(1)
         got = torch.zeros_like(want)
         for r in range(P):  # scatter each rank's shard back to its natural positions
             idx = te_shard(torch.arange(T), r)
             got[idx] = res[r][i].double()
-        err = ((got - want)[real_rows].abs().max() / want[real_rows].abs().max()).item()
+        err = ((got - want).abs().max() / want.abs().max()).item()
         assert err < 1e-5, (i, err)
+        assert got[~is_real].abs().max() == 0  # pads: no output, no gradient
+
+
+def test_module_refuses_heads_it_was_not_built_for():
+    """Built for 4 query / 2 kv heads per rank, handed 8: the same ValueError on every rank."""
+    cfg = config(4, 2, hidden=32)
+
+    def fn(rank, world):
+        mod = UlyssesAttention(cfg, 1, AttnMaskType.causal, ulysses_group=dist.group.WORLD)
+        q = torch.randn(4, 1, 8, cfg.kv_channels)
+        k = torch.randn(4, 1, 2, cfg.kv_channels)
+        mod(q, k, k, None)
+
+    errs = run_threaded_errors(2, fn)
+    assert all(isinstance(e, ValueError) and "built for 4 query / 2 kv heads" in str(e) for e in errs), errs

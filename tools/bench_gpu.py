@@ -5,7 +5,7 @@
 
 * kernels: forward+backward of each installed inner kernel (sdpa, flash, te) through
   ``ulysses_attention`` with a group of one, bf16, causal, vs sequence length;
-* layout copies: the pack / unpack copies of the exchange (``comm._pack_qkv`` and the
+* layout copies: the pack / unpack copies of the exchange (``exchange._pack_qkv`` and the
   gradient unpack) at P = 2, 4, 8 on one device, with their achieved GB/s;
 * memory: peak ``torch.cuda.max_memory_allocated`` of a GPTModel forward+backward per
   sequence length (degree 1; divide the activation part by P for P ranks).
@@ -62,15 +62,15 @@ def bench_kernels(dev, seqs, dtype):
 
 
 def bench_copies(dev, S, dtype):
-    from ulysses_mcore import comm
+    from ulysses_mcore import exchange
 
     rows = []
     for P in (2, 4, 8):
-        plan = comm.HeadPlan(32, 8, P)
+        plan = exchange.HeadPlan(32, 8, P)
         q, k, v = (torch.randn(S // P, 1, h, 128, device=dev, dtype=dtype) for h in (32, 8, 8))
-        t_pack = timeit(lambda: comm._pack_qkv(q, k, v, plan), dev)
-        buf = comm._pack_qkv(q, k, v, plan).clone()
-        t_unpack = timeit(lambda: comm._unpack_qkv_grad(buf, plan), dev)
+        t_pack = timeit(lambda: exchange._pack_qkv(q, k, v, plan), dev)
+        buf = exchange._pack_qkv(q, k, v, plan)[0].clone()
+        t_unpack = timeit(lambda: exchange._unpack_qkv_grad(buf, plan, None, S // P, 1, 128, k.shape), dev)
         nbytes = buf.numel() * buf.element_size()
         rows.append({"P": P, "seq": S, "bytes": nbytes, "pack_ms": t_pack * 1e3, "unpack_ms": t_unpack * 1e3,
                      "pack_GBps": 2 * nbytes / t_pack / 1e9, "unpack_GBps": 2 * nbytes / t_unpack / 1e9})

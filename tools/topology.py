@@ -18,7 +18,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from ulysses_mcore.comm import HeadPlan  # noqa: E402
+from ulysses_mcore.exchange import HeadPlan  # noqa: E402
 from ulysses_mcore.topology import Topology, TopologyError  # noqa: E402
 
 AXIS_SETS = ["tp", "ulysses", "cp", "ulysses-cp", "dp", "pp", "dp-ulysses-cp", "ep", "edp"]
@@ -36,16 +36,12 @@ def plan(args) -> dict:
         topo.check_model(args.num_attention_heads, args.num_query_groups, args.seq_length)
         q = args.num_attention_heads // topo.tp
         kv = (args.num_query_groups or args.num_attention_heads) // topo.tp
-        from ulysses_mcore.comm import is_even
-        from ulysses_mcore.uneven import UnevenPlan
-
-        if is_even(q, kv, topo.ulysses):
-            hp = HeadPlan(q, kv, topo.ulysses)
-            qa, kva, rep = hp.q_per_rank, hp.kv_per_rank, hp.kv_replicas
+        hp = HeadPlan(q, kv, topo.ulysses)
+        if hp.regular:
+            qa, kva, rep = hp.q_count(0), hp.kv_count(0), hp.kv_replicas
         else:  # uneven: per-rank counts
-            up = UnevenPlan(q, kv, topo.ulysses)
-            qa = [up.q_count(r) for r in range(topo.ulysses)]
-            kva = [len(up.kv_heads(r)) for r in range(topo.ulysses)]
+            qa = [hp.q_count(r) for r in range(topo.ulysses)]
+            kva = [hp.kv_count(r) for r in range(topo.ulysses)]
             rep = "shared at group boundaries"
         out["heads"] = {
             "query_heads_per_tp_rank": q, "kv_heads_per_tp_rank": kv,

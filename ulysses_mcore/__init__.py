@@ -1,7 +1,10 @@
 """ulysses-mcore: Ulysses sequence parallelism (all-to-all attention) for Megatron-Core.
 
-Names are imported lazily, so ``ulysses_mcore.topology`` (pure rank math) loads without
-torch.distributed or Megatron-Core.
+Layers: the core (``attention``, ``exchange``, ``validation``, ``ring``, ``overlap``,
+``backends``, ``topology``, ``state``) imports torch only; the Megatron adapter is
+:mod:`ulysses_mcore.megatron`.  Names are imported lazily, so ``import ulysses_mcore`` and the
+functional API never import Megatron-Core; ``UlyssesAttention``, ``initialize`` and
+``get_ulysses_layer_spec`` load the adapter when first used.
 """
 
 import importlib
@@ -10,11 +13,11 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "ulysses_attention": "attention",
-    "UlyssesAttention": "attention",
+    "UlyssesAttention": "megatron.module",
     "new_sequence_groups": "attention",
-    "HeadPlan": "comm",
-    "seq_to_head": "comm",
-    "head_to_seq": "comm",
+    "HeadPlan": "exchange",
+    "seq_to_head": "exchange",
+    "head_to_seq": "exchange",
     "get_ulysses_group": "state",
     "set_ulysses_group": "state",
     "Topology": "topology",

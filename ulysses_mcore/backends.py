@@ -48,13 +48,16 @@ def sdpa_attention(
     attention_bias: Optional[torch.Tensor] = None,
     dropout_p: float = 0.0,
     cu_seqlens: Optional[torch.Tensor] = None,
+    seqlens: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention in ``layout``; zero-copy views in and out.
 
     ``cu_seqlens`` (packed documents, ``sbhd`` with b = 1): one SDPA call per document, so
-    memory follows the longest document, never the whole stream squared."""
+    memory follows the longest document, never the whole stream squared.  ``seqlens``: real
+    lengths inside padded slots; pad tokens are neither queries nor keys (zero output)."""
     if cu_seqlens is not None:
-        return _sdpa_varlen(q, k, v, cu_seqlens, causal=causal, softmax_scale=softmax_scale, dropout_p=dropout_p)
+        return _sdpa_varlen(q, k, v, cu_seqlens, seqlens, causal=causal, softmax_scale=softmax_scale,
+                            dropout_p=dropout_p)
     qb, kb, vb = (_to_bhsd(t, layout) for t in (q, k, v))
     mask = None
     if attention_mask is not None or attention_bias is not None:
@@ -85,14 +88,28 @@ def sdpa_attention(
     return _from_bhsd(out, layout)
 
 
-def _sdpa_varlen(q, k, v, cu_seqlens, *, causal, softmax_scale, dropout_p):
-    bounds = cu_seqlens.tolist()
+def _sdpa_varlen(q, k, v, cu_seqlens, seqlens, *, causal, softmax_scale, dropout_p):
+    bounds = cu_seqlens.tolist()  # the kernel needs the boundaries on the host
+    real = seqlens.tolist() if seqlens is not None else [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])]
     outs = []
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
-        if hi > lo:
-            outs.append(sdpa_attention(q[lo:hi], k[lo:hi], v[lo:hi], causal=causal,
+    for lo, hi, n in zip(bounds[:-1], bounds[1:], real):
+        if n > 0:
+            outs.append(sdpa_attention(q[lo:lo + n], k[lo:lo + n], v[lo:lo + n], causal=causal,
                                        softmax_scale=softmax_scale, dropout_p=dropout_p))
+        if hi - lo > n:  # the pad after the document: no query, no key
+            outs.append(q.new_zeros((hi - lo - n, *q.shape[1:])))
     return torch.cat(outs, dim=0)
+
+
+def _real_rows(cu_seqlens, seqlens, device):
+    """(indices of the real tokens in the padded stream, cu_seqlens of the real tokens packed tight)."""
+    cu = cu_seqlens.to(device=device, dtype=torch.int64)
+    lens = seqlens.to(device=device, dtype=torch.int64)
+    tight = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
+    total = int(tight[-1])
+    doc = torch.bucketize(torch.arange(total, device=device), tight[1:], right=True)
+    rows = cu[:-1][doc] + torch.arange(total, device=device) - tight[:-1][doc]
+    return rows, tight
 
 
 def _varlen_args(cu_seqlens, device):
@@ -107,6 +124,12 @@ def flash_attention(q, k, v, *, causal, softmax_scale=None, layout="sbhd", dropo
     if cu is not None:
         from flash_attn import flash_attn_varlen_func
 
+        lens = kw.get("seqlens")
+        if lens is not None:  # padded documents: the real tokens packed tight, run, put back
+            rows, tight = _real_rows(cu, lens, q.device)
+            inner = flash_attention(q.index_select(0, rows), k.index_select(0, rows), v.index_select(0, rows),
+                                    causal=causal, softmax_scale=softmax_scale, dropout_p=dropout_p, cu_seqlens=tight)
+            return q.new_zeros(q.shape[0], *inner.shape[1:]).index_copy(0, rows, inner)
         cu32, maxlen = _varlen_args(cu, q.device)
         out = flash_attn_varlen_func(q[:, 0], k[:, 0], v[:, 0], cu32, cu32, maxlen, maxlen, dropout_p,
                                      softmax_scale=softmax_scale, causal=causal)
@@ -176,8 +199,13 @@ def te_attention(q, k, v, *, causal, softmax_scale=None, layout="sbhd", dropout_
         extra = {"core_attention_bias_type": "post_scale_bias", "core_attention_bias": bias}
     if cu is not None:
         cu32, maxlen = _varlen_args(cu, q.device)
+        lens, pad = kw.get("seqlens"), {}
+        if lens is not None:  # TE's own padded-THD form: real cu_seqlens + padded offsets
+            real = torch.cat([lens.new_zeros(1), lens.cumsum(0)]).to(device=q.device, dtype=torch.int32)
+            pad = dict(cu_seqlens_q_padded=cu32, cu_seqlens_kv_padded=cu32)
+            cu32 = real
         out = mod(q[:, 0], k[:, 0], v[:, 0], attn_mask_type=mask_type, cu_seqlens_q=cu32, cu_seqlens_kv=cu32,
-                  max_seqlen_q=maxlen, max_seqlen_kv=maxlen)
+                  max_seqlen_q=maxlen, max_seqlen_kv=maxlen, **pad)
         return out.view(q.shape[0], 1, hq, d)
     out = mod(q, k, v, attention_mask=mask, attn_mask_type=mask_type, **extra)
     return out.view(*q.shape[:2], hq, d)

@@ -12,34 +12,22 @@ Chunk ``c`` holds, for every destination rank ``j``, query heads
 Ulysses exchange and a group's query heads stay with their kv heads.  Needs ``C`` to
 divide the query and kv heads per rank (kv replication, ``kv heads < P``, allows C = 1
 only).  Collectives: ``2C`` forward, ``2C`` backward.  ``C = 1`` is the plain path in
-:mod:`ulysses_mcore.attention`.
+:mod:`ulysses_mcore.attention`.  Exchange, buffers and layout helpers are
+:mod:`ulysses_mcore.exchange`'s; the kernel runs under autograd inside this function's forward
+(its backward replays it chunk by chunk).
 """
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
-import torch.distributed as dist
 
-from . import comm
-from .comm import POOL, HeadPlan
+from torch.autograd.function import once_differentiable
 
-
-def overlap_error(plan: HeadPlan, chunks: int) -> Optional[str]:
-    if chunks < 1:
-        return f"overlap_chunks must be >= 1, got {chunks}"
-    if chunks == 1:
-        return None
-    if plan.q_per_rank % chunks or plan.kv_replicas > 1 or plan.kv_per_rank % chunks:
-        return (f"overlap_chunks={chunks} must divide the {plan.q_per_rank} query and {plan.kv_per_rank} kv heads "
-                f"each rank computes (kv heads replicated x{plan.kv_replicas}); use overlap_chunks=1")
-    return None
+from .exchange import POOL, HeadPlan, _layout_as_chunks, _recv_as_layout, all_to_all, seq_dim
 
 
 def _a2a_async(out, inp, group):
-    comm.COLLECTIVE_CALLS["all_to_all_single"] += 1
-    return dist.all_to_all_single(out, inp, group=group, async_op=True)
+    return all_to_all(out, inp, group, async_op=True)
 
 
 def _pack_chunk(send, parts, offsets):
@@ -52,7 +40,7 @@ class OverlappedUlysses(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, plan: HeadPlan, layout: str, chunks: int, run_kernel):
         P, C = plan.degree, chunks
-        qc, kc = plan.q_per_rank // C, plan.kv_per_rank // C
+        qc, kc = plan.q_count(0) // C, plan.kv_count(0) // C
         n = qc + 2 * kc
         A, B, hq, d = q.shape
         offs = ((0, qc), (qc, qc + kc), (qc + kc, n))
@@ -68,13 +56,13 @@ class OverlappedUlysses(torch.autograd.Function):
         leaves, outs, out_sends, out_recvs, out_works = [], [], [], [], []
         for c in range(C):  # 2. attention of chunk c overlaps the exchanges of the others
             works[c].wait()
-            full = comm._recv_as_layout(recvs[c], layout)
+            full = _recv_as_layout(recvs[c], layout)
             lq, lk, lv = (full[:, :, lo:hi].detach().requires_grad_() for lo, hi in offs)
             with torch.enable_grad():
                 o = run_kernel(lq, lk, lv, c)
             leaves.append((lq, lk, lv))
             outs.append(o)
-            send_o = comm._layout_as_chunks(o.detach(), layout, P)
+            send_o = _layout_as_chunks(o.detach(), layout, P)
             recv_o = POOL.take(tuple(send_o.shape), o.dtype, o.device)
             out_works.append(_a2a_async(recv_o, send_o, group))  # 3. overlaps chunk c+1's attention
             out_sends.append(send_o)
@@ -91,10 +79,11 @@ class OverlappedUlysses(torch.autograd.Function):
         return result
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, g):
         P, C, layout, group = ctx.plan.degree, ctx.chunks, ctx.layout, ctx.group
         plan = ctx.plan
-        qc, kc = plan.q_per_rank // C, plan.kv_per_rank // C
+        qc, kc = plan.q_count(0) // C, plan.kv_count(0) // C
         n = qc + 2 * kc
         (A, B, hq, d), kshape = ctx.shapes
         gv = g.unflatten(2, (P, C, qc))
@@ -114,20 +103,20 @@ class OverlappedUlysses(torch.autograd.Function):
         back_sends, back_recvs, back_works = [], [], []
         for c in range(C):  # 2. kernel backward of chunk c overlaps the others' exchanges
             works[c].wait()
-            go = comm._recv_as_layout(recvs[c], layout)
+            go = _recv_as_layout(recvs[c], layout)
             lq, lk, lv = ctx.leaves[c]
             torch.autograd.backward(ctx.outs[c], go)
             ctx.outs[c] = None
-            seq_dim = 0 if layout == "sbhd" else 1
-            S = lq.shape[seq_dim]
+            sd = seq_dim(layout)
+            S = lq.shape[sd]
             shape = list(lq.shape)
-            shape[seq_dim] = S // P
+            shape[sd] = S // P
             shape[2] = n
             buf = POOL.take((P, *shape), g.dtype, g.device)
             for leaf, (lo, hi) in zip((lq, lk, lv), offs):
                 gr = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-                ch = gr.unflatten(seq_dim, (P, S // P))
-                buf[..., lo:hi, :].copy_(ch if seq_dim == 0 else ch.transpose(0, 1))
+                ch = gr.unflatten(sd, (P, S // P))
+                buf[..., lo:hi, :].copy_(ch if sd == 0 else ch.transpose(0, 1))
             recv = POOL.take(tuple(buf.shape), g.dtype, g.device)
             back_works.append(_a2a_async(recv, buf, group))  # 3. overlaps chunk c+1's backward
             back_sends.append(buf)

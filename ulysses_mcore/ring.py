@@ -40,7 +40,8 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-COLLECTIVE_CALLS = {"ring_shift": 0}
+from .exchange import all_to_all
+
 Segments = List[Tuple[int, int]]  # (first global position, length)
 
 
@@ -68,8 +69,7 @@ def _shift(buf: torch.Tensor, group, async_op: bool = True):
     nxt, prv = (me + 1) % C, (me - 1) % C
     in_splits = [n if r == nxt else 0 for r in range(C)]
     out_splits = [n if r == prv else 0 for r in range(C)]
-    COLLECTIVE_CALLS["ring_shift"] += 1
-    work = dist.all_to_all_single(recv, flat, out_splits, in_splits, group=group, async_op=async_op)
+    work = all_to_all(recv, flat, group, out_splits, in_splits, async_op=async_op)
     return recv.view(buf.shape), work
 
 

@@ -1,32 +1,59 @@
-"""The Ulysses and ring process groups registered for this process (set by :func:`ulysses_mcore.initialize`).
+"""The one registry of this process's sequence-parallel groups.
 
-Only the group lives here; head counts and everything model-specific live on module
-instances (a second model in the same process must not inherit the first one's heads).
+:func:`ulysses_mcore.initialize` and the Megatron-LM patches (``megatron_patches``) both fill
+it through :func:`register`; everything else reads it (``UlyssesAttention`` only when Megatron
+hands it no ``pg_collection``).  Only groups and degrees live here: head counts and everything
+model-specific live on module instances (a second model must not inherit the first's heads).
+Torch only.
 """
 
 from __future__ import annotations
 
-_ULYSSES_GROUP = None
+from dataclasses import dataclass
+from typing import Any, Optional
+
+
+@dataclass
+class _Registry:
+    ulysses_group: Any = None  # None: degree 1
+    ring_group: Any = None     # None: no ring
+    topology: Any = None       # a ulysses_mcore.Topology, when the builder knew the whole world
+    pg_collection: Any = None  # cached Megatron ProcessGroupCollection (the adapter fills it)
+
+
+_REG = _Registry()
+
+
+def register(ulysses_group=None, ring_group=None, topology=None) -> None:
+    """Record this rank's Ulysses and ring groups (``None`` for an axis of size 1)."""
+    _REG.ulysses_group, _REG.ring_group, _REG.topology = ulysses_group, ring_group, topology
+    _REG.pg_collection = None
+
+
+def clear() -> None:
+    """Forget every group (Megatron's parallel_state is the caller's to destroy)."""
+    register(None, None, None)
+
+
+def registry() -> _Registry:
+    return _REG
 
 
 def set_ulysses_group(group) -> None:
-    global _ULYSSES_GROUP
-    _ULYSSES_GROUP = group
+    """Register ``group`` as the Ulysses group (functional use without :func:`ulysses_mcore.initialize`)."""
+    _REG.ulysses_group = group
+    _REG.pg_collection = None
 
 
 def get_ulysses_group():
     """The registered Ulysses group, or ``None`` (degree 1)."""
-    return _ULYSSES_GROUP
-
-
-_RING_GROUP = None
-
-
-def set_ring_group(group) -> None:
-    global _RING_GROUP
-    _RING_GROUP = group
+    return _REG.ulysses_group
 
 
 def get_ring_group():
     """The registered ring context-parallel group, or ``None`` (no ring)."""
-    return _RING_GROUP
+    return _REG.ring_group
+
+
+def get_topology() -> Optional[Any]:
+    return _REG.topology

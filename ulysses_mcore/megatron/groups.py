@@ -19,10 +19,6 @@ import torch.distributed as dist
 from .. import state
 from ..topology import Topology
 
-_TOPOLOGY: Optional[Topology] = None
-_RING_GROUP = None
-_PG_COLLECTION = None
-
 
 def initialize(
     tp: int = 1,
@@ -72,10 +68,7 @@ def initialize(
     rank = dist.get_rank()
     _verify(topo, rank, ulysses_group, ring)
 
-    global _TOPOLOGY, _RING_GROUP, _PG_COLLECTION
-    _TOPOLOGY, _RING_GROUP, _PG_COLLECTION = topo, ring, None
-    state.set_ulysses_group(ulysses_group)
-    state.set_ring_group(ring)
+    state.register(ulysses_group, ring, topo)
     if verbose and rank == 0:
         print(f"[ulysses-mcore] parallel axes in force: {topo.describe()}; "
               f"Megatron context-parallel size {topo.context_parallel_size} "
@@ -130,9 +123,11 @@ def _verify(topo: Topology, rank: int, ulysses_group, ring) -> None:
 
 
 def get_topology() -> Topology:
-    if _TOPOLOGY is None:
-        raise RuntimeError("call ulysses_mcore.initialize(...) first")
-    return _TOPOLOGY
+    topo = state.get_topology()
+    if topo is None:
+        raise RuntimeError("no topology registered: call ulysses_mcore.initialize(...) first (or run under "
+                           "megatron_patches, which registers Megatron-LM's)")
+    return topo
 
 
 def get_ulysses_group():
@@ -142,7 +137,7 @@ def get_ulysses_group():
 
 def get_ring_group():
     """The ring context-parallel group of this rank (``None`` when cp == 1)."""
-    return _RING_GROUP
+    return state.get_ring_group()
 
 
 def get_tensor_parallel_group():
@@ -187,27 +182,24 @@ def get_embedding_group():
 def get_pg_collection():
     """A Megatron ``ProcessGroupCollection`` of the current groups, with ``ulysses`` and
     ``ring_cp`` attributes added for modules that take one."""
-    global _PG_COLLECTION
-    if _PG_COLLECTION is None:
+    reg = state.registry()
+    if reg.pg_collection is None:
         from megatron.core.process_groups_config import ProcessGroupCollection
 
         pgc = ProcessGroupCollection.use_mpu_process_groups()
-        pgc.ulysses = get_ulysses_group()
-        pgc.ring_cp = get_ring_group()
-        _PG_COLLECTION = pgc
-    return _PG_COLLECTION
+        pgc.ulysses = reg.ulysses_group
+        pgc.ring_cp = reg.ring_group
+        reg.pg_collection = pgc
+    return reg.pg_collection
 
 
 def destroy() -> None:
     """Tear down Megatron's parallel_state and forget the Ulysses groups."""
     from megatron.core import parallel_state as ps
 
-    global _TOPOLOGY, _RING_GROUP, _PG_COLLECTION
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    state.set_ulysses_group(None)
-    state.set_ring_group(None)
-    _TOPOLOGY, _RING_GROUP, _PG_COLLECTION = None, None, None
+    state.clear()
 
 
 def ulysses_rank() -> int:

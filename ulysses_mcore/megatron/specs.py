@@ -14,7 +14,7 @@ from typing import Optional, Union
 
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from ..attention import UlyssesAttention
+from .module import UlyssesAttention
 
 
 def swap_core_attention(spec, *, backend: Union[str, object] = "sdpa", ulysses_group=None):

@@ -1,0 +1,415 @@
+"""The exchange: the one pair of autograd all-to-alls between token-sharded and head-sharded.
+
+A (token, head) cell has an owner.  Outside core attention rank ``r`` of a Ulysses group of
+size ``P`` owns tokens ``r*s/P ... (r+1)*s/P - 1`` with every head; inside it, every token with
+a band of heads.  Two collectives move ownership:
+
+``SeqToHead``  q, k, v ``[s/P, b, h, d]``  ->  ``[s, b, h_r, d]``   (ONE all_to_all_single)
+``HeadToSeq``  out      ``[s, b, h_r, d]``  ->  ``[s/P, b, h, d]``  (ONE all_to_all_single)
+
+Everything about *which* heads go where is one :class:`HeadPlan`: per destination rank ``j``
+a range of query heads (``h/P`` each when ``P`` divides ``h``, else the first ``h % P`` ranks
+one more -- 7 heads at P = 4 compute 2, 2, 2, 1, no padded heads) and the range of kv heads
+those query heads use (query heads of one kv group are contiguous in Megatron's QKV layout).
+A kv head needed by several ranks is sent to each and the backward sums the copies.  The
+all-to-alls carry the plan's per-rank split sizes; when they are all equal (``uniform``) the
+collective is the plain even one.  Q, K and V cross in one packed buffer: block ``j`` holds
+rank ``j``'s query heads followed by its kv heads, so the received buffer *is* the attention
+input (``sbhd``: source rank == token block, a view, zero copies).
+
+Copies per direction (each touches every element once): pack 1, unpack 0 (``sbhd``) or 1
+(``bshd`` with b > 1); the output: pack 0-1, unpack 1; the backward mirrors it.
+
+Single-rank references: :func:`reference_seq_to_head` (pure indexing, no collective); the
+exchange is tested against it and ``head_to_seq`` as its exact inverse.  Layout logic lives in
+:func:`seq_dim` and the two ``_recv_as_layout`` / ``_layout_as_chunks`` helpers only.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from functools import cached_property
+from typing import List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch.autograd.function import once_differentiable
+
+LAYOUTS = ("sbhd", "bshd")
+
+
+def seq_dim(layout: str) -> int:
+    """The sequence dim of a 4-D tensor in ``layout`` (``thd`` runs as ``sbhd`` with b = 1)."""
+    return 1 if layout == "bshd" else 0
+
+
+# ----------------------------------------------------------------------------- the plan
+@dataclass(frozen=True)
+class HeadPlan:
+    """Which heads go to which rank, for ``num_q_heads`` / ``num_kv_heads`` over ``degree`` ranks."""
+
+    num_q_heads: int
+    num_kv_heads: int
+    degree: int
+
+    @property
+    def group_size(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+    def q_range(self, rank: int) -> Tuple[int, int]:
+        base, extra = divmod(self.num_q_heads, self.degree)
+        first = rank * base + min(rank, extra)
+        return first, first + base + (1 if rank < extra else 0)
+
+    def kv_range(self, rank: int) -> Tuple[int, int]:
+        lo, hi = self.q_range(rank)
+        return lo // self.group_size, (hi - 1) // self.group_size + 1
+
+    def q_count(self, rank: int) -> int:
+        lo, hi = self.q_range(rank)
+        return hi - lo
+
+    def kv_count(self, rank: int) -> int:
+        lo, hi = self.kv_range(rank)
+        return hi - lo
+
+    def chunk_heads(self, rank: int) -> int:
+        return self.q_count(rank) + 2 * self.kv_count(rank)
+
+    @cached_property
+    def regular(self) -> bool:
+        """Every rank the same number of query heads and either ``kv/P`` kv heads each (scatter)
+        or one kv head shared by ``P/kv`` consecutive ranks (replication): packed in one strided
+        copy per tensor."""
+        hq, hk, P = self.num_q_heads, self.num_kv_heads, self.degree
+        return hq % P == 0 and (hk % P == 0 or P % hk == 0)
+
+    @cached_property
+    def uniform(self) -> bool:
+        """All split sizes equal: the all-to-all needs no split sizes."""
+        return len({(self.q_count(j), self.kv_count(j)) for j in range(self.degree)}) == 1
+
+    @property
+    def kv_replicas(self) -> int:
+        """Regular plans: how many consecutive ranks receive the same kv head (1 = scatter)."""
+        return self.degree // self.num_kv_heads if self.num_kv_heads < self.degree else 1
+
+    def kv_index_for_q(self, rank: int) -> Optional[List[int]]:
+        """Local kv head of each local query head when the local heads are not an ordinary GQA
+        layout (a rank's query heads start inside a kv group), else ``None``."""
+        lo, hi = self.q_range(rank)
+        g, nkv = self.group_size, self.kv_count(rank)
+        if nkv == 1 or (lo % g == 0 and (hi - lo) % g == 0):
+            return None
+        return [q // g - lo // g for q in range(lo, hi)]
+
+    def kv_heads_of_rank(self, rank: int) -> List[int]:
+        return list(range(*self.kv_range(rank)))
+
+
+def head_layout_error(num_q_heads: int, num_kv_heads: int, degree: int) -> Optional[str]:
+    """Why no head plan fits, or ``None``."""
+    if num_q_heads < 1 or num_kv_heads < 1:
+        return f"head counts must be >= 1 (query heads={num_q_heads}, kv heads={num_kv_heads})"
+    if num_q_heads % num_kv_heads:
+        return (f"query heads ({num_q_heads}) must be a multiple of kv heads ({num_kv_heads}) "
+                "for grouped-query attention")
+    if num_q_heads < degree:
+        return (f"ulysses degree {degree} is larger than the {num_q_heads} query heads on this tensor-parallel "
+                f"rank: every rank needs at least one head; use a degree <= {num_q_heads} "
+                "(ring context parallelism covers larger degrees)")
+    return None
+
+
+def is_even(num_q_heads: int, num_kv_heads: int, degree: int) -> bool:
+    return head_layout_error(num_q_heads, num_kv_heads, degree) is None and \
+        HeadPlan(num_q_heads, num_kv_heads, degree).regular
+
+
+def overlap_error(num_q_heads: int, num_kv_heads: int, degree: int, chunks) -> Optional[str]:
+    """Why ``chunks`` head chunks cannot be pipelined (:mod:`ulysses_mcore.overlap`), or ``None``."""
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        return f"overlap_chunks must be an integer >= 1, got {chunks!r}"
+    if chunks == 1:
+        return None
+    plan = HeadPlan(num_q_heads, num_kv_heads, degree)
+    q, kv = num_q_heads // degree, max(num_kv_heads // degree, 1)
+    if q % chunks or plan.kv_replicas > 1 or kv % chunks:
+        return (f"overlap_chunks={chunks} must divide the {q} query and {kv} kv heads each rank computes "
+                f"(kv heads replicated x{plan.kv_replicas}); use overlap_chunks=1")
+    return None
+
+
+# ----------------------------------------------------------------------------- buffers
+def _unreferenced(buf: torch.Tensor) -> bool:
+    """True when nothing but the pool holds ``buf``'s storage (the temporary storage object
+    made here accounts for the second reference)."""
+    return torch._C._storage_Use_Count(buf.untyped_storage()._cdata) == 2
+
+
+class _BufferPool(threading.local):
+    """A free list of CPU buffers for the exchange, per thread.
+
+    On the CPU every fresh multi-MB tensor costs a page fault per 4 KB on first touch
+    (measured: 20 ms for 25 MB -- as long as the all-to-all itself), and glibc returns large
+    blocks to the OS on free, so each call would pay it again.  A buffer is handed out only
+    when nothing else references its storage any more, else a new one is allocated and kept
+    (up to ``per_size`` per size).  CUDA tensors bypass it (the caching allocator does this).
+    ``ULYSSES_MCORE_POOL=0`` turns it off; :meth:`clear` returns the memory."""
+
+    per_size = 64
+
+    def __init__(self):
+        self.free_lists: dict = {}
+        self.enabled = os.environ.get("ULYSSES_MCORE_POOL", "1") != "0" and hasattr(torch._C, "_storage_Use_Count")
+
+    def take(self, shape, dtype, device) -> torch.Tensor:
+        device = torch.device(device)
+        if not self.enabled or device.type != "cpu":
+            return torch.empty(shape, dtype=dtype, device=device)
+        n = 1
+        for x in shape:
+            n *= x
+        bufs = self.free_lists.setdefault((n, dtype), [])
+        for buf in bufs:
+            if _unreferenced(buf):
+                return buf.view(shape)
+        buf = torch.empty(n, dtype=dtype, device=device)
+        if len(bufs) < self.per_size:
+            bufs.append(buf)
+        return buf.view(shape)
+
+    def clear(self):
+        self.free_lists.clear()
+
+
+POOL = _BufferPool()
+
+
+def _fresh(view: torch.Tensor, shape) -> torch.Tensor:
+    out = POOL.take(tuple(view.shape), view.dtype, view.device)
+    out.copy_(view)
+    return out.view(shape)
+
+
+# ----------------------------------------------------------------------------- the collective
+def all_to_all(out: torch.Tensor, inp: torch.Tensor, group, out_splits=None, in_splits=None, async_op=False):
+    """The one all-to-all of the package (split sizes in elements of flat buffers, or None)."""
+    if out_splits is not None:
+        out, inp = out.view(-1), inp.reshape(-1)
+    return dist.all_to_all_single(out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits,
+                                  group=group, async_op=async_op)
+
+
+def _recv_as_layout(recv: torch.Tensor, layout: str) -> torch.Tensor:
+    """``[P, A, B, n, d]`` received by source rank -> the full-sequence tensor in ``layout``."""
+    P, A, B, n, d = recv.shape
+    if seq_dim(layout) == 0:
+        return recv.view(P * A, B, n, d)  # source-major == token order: a view
+    return recv.transpose(0, 1).reshape(A, P * B, n, d)  # a copy unless b == 1
+
+
+def _layout_as_chunks(x: torch.Tensor, layout: str, P: int) -> torch.Tensor:
+    """Full-sequence ``layout`` tensor -> ``[P, A, B, n, d]`` by token block (contiguous sbhd:
+    a view; else one copy into a pooled buffer)."""
+    if seq_dim(layout) == 0:
+        if x.is_contiguous():
+            return x.view(P, x.shape[0] // P, *x.shape[1:])
+        chunks = x.unflatten(0, (P, x.shape[0] // P))
+    else:
+        chunks = x.unflatten(1, (P, x.shape[1] // P)).transpose(0, 1)
+    return _fresh(chunks, tuple(chunks.shape))
+
+
+def _chunks_of_full(g: torch.Tensor, layout: str, P: int) -> torch.Tensor:
+    """A (strided) ``[P, A, B, n, d]`` view of a full-sequence tensor by token block."""
+    sd = seq_dim(layout)
+    ch = g.unflatten(sd, (P, g.shape[sd] // P))
+    return ch if sd == 0 else ch.transpose(0, 1)
+
+
+def _pack_qkv(q, k, v, plan: HeadPlan) -> Tuple[torch.Tensor, Optional[List[int]]]:
+    """One pass into the send buffer: block j = rank j's q heads, then its k, v heads.
+    Returns the buffer and the per-destination split sizes (None when uniform)."""
+    P = plan.degree
+    A, B, _, d = q.shape
+    if plan.regular:
+        qn, kn = plan.q_count(0), plan.kv_count(0)
+        send = POOL.take((P, A, B, qn + 2 * kn, d), q.dtype, q.device)
+        send[..., :qn, :].copy_(q.unflatten(2, (P, qn)).permute(2, 0, 1, 3, 4))
+        for off, t in ((qn, k), (qn + kn, v)):
+            if plan.kv_replicas == 1:
+                send[..., off:off + kn, :].copy_(t.unflatten(2, (P, kn)).permute(2, 0, 1, 3, 4))
+            else:  # each kv head goes to kv_replicas consecutive ranks
+                hk, rep = plan.num_kv_heads, plan.kv_replicas
+                dst = send.view(hk, rep, A, B, qn + 2 * kn, d)[..., off:off + 1, :]
+                dst.copy_(t.permute(2, 0, 1, 3)[:, None, :, :, None, :].expand_as(dst))
+        return send, None
+    sizes = [A * B * plan.chunk_heads(j) * d for j in range(P)]
+    send = POOL.take((sum(sizes),), q.dtype, q.device)
+    off = 0
+    for j in range(P):
+        (qlo, qhi), (klo, khi) = plan.q_range(j), plan.kv_range(j)
+        nq, nk = qhi - qlo, khi - klo
+        blk = send[off:off + sizes[j]].view(A, B, nq + 2 * nk, d)
+        off += sizes[j]
+        blk[:, :, :nq].copy_(q[:, :, qlo:qhi])
+        blk[:, :, nq:nq + nk].copy_(k[:, :, klo:khi])
+        blk[:, :, nq + nk:].copy_(v[:, :, klo:khi])
+    return send, (None if plan.uniform else sizes)
+
+
+def _unpack_qkv_grad(recv: torch.Tensor, plan: HeadPlan, in_sizes, A, B, d, kshape):
+    """Inverse of :func:`_pack_qkv` for gradients: copies of a kv head are summed."""
+    P = plan.degree
+    if plan.regular:
+        qn, kn = plan.q_count(0), plan.kv_count(0)
+        buf = recv.view(P, A, B, qn + 2 * kn, d)
+        out = [_fresh(buf[..., :qn, :].permute(1, 2, 0, 3, 4), (A, B, P * qn, d))]
+        for off in (qn, qn + kn):
+            part = buf[..., off:off + kn, :]
+            if plan.kv_replicas == 1:
+                out.append(_fresh(part.permute(1, 2, 0, 3, 4), (A, B, P * kn, d)))
+            else:
+                summed = part.reshape(plan.num_kv_heads, plan.kv_replicas, A, B, d).sum(1)
+                out.append(summed.permute(1, 2, 0, 3).contiguous())
+        return tuple(out)
+    sizes = in_sizes or [A * B * plan.chunk_heads(j) * d for j in range(P)]
+    flat = recv.view(-1)
+    dq = recv.new_empty(A, B, plan.num_q_heads, d)
+    dk, dv = recv.new_zeros(kshape), recv.new_zeros(kshape)
+    off = 0
+    for j in range(P):
+        (qlo, qhi), (klo, khi) = plan.q_range(j), plan.kv_range(j)
+        nq, nk = qhi - qlo, khi - klo
+        blk = flat[off:off + sizes[j]].view(A, B, nq + 2 * nk, d)
+        off += sizes[j]
+        dq[:, :, qlo:qhi] = blk[:, :, :nq]
+        dk[:, :, klo:khi] += blk[:, :, nq:nq + nk]
+        dv[:, :, klo:khi] += blk[:, :, nq + nk:]
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------- autograd pair
+class SeqToHead(torch.autograd.Function):
+    """q, k, v token shards -> full-sequence q, k, v of this rank's heads, in one collective."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, plan: HeadPlan, layout: str, rank: int):
+        P = plan.degree
+        A, B, _, d = q.shape
+        ctx.group, ctx.plan, ctx.layout, ctx.rank, ctx.kshape = group, plan, layout, rank, k.shape
+        # 1. one copy: q, k, v -> one send buffer, block j holding rank j's heads
+        send, sizes = _pack_qkv(q, k, v, plan)
+        n_me = plan.chunk_heads(rank)
+        recv = POOL.take((P, A, B, n_me, d), q.dtype, q.device)
+        # 2. one collective
+        all_to_all(recv, send, group, None if sizes is None else [A * B * n_me * d] * P, sizes)
+        ctx.sizes = sizes
+        # 3. the received buffer is the full sequence (sbhd: a view; bshd: one copy if b > 1)
+        full = _recv_as_layout(recv, layout)
+        nq, nk = plan.q_count(rank), plan.kv_count(rank)
+        return full[:, :, :nq], full[:, :, nq:nq + nk], full[:, :, nq + nk:]
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, gq, gk, gv):
+        plan, layout, rank, P = ctx.plan, ctx.layout, ctx.rank, ctx.plan.degree
+        ref = next(g for g in (gq, gk, gv) if g is not None)
+        nq, nk = plan.q_count(rank), plan.kv_count(rank)
+        sd = seq_dim(layout)
+        A, B, d = ref.shape[0], ref.shape[1], ref.shape[3]
+        if sd == 0:
+            A //= P
+        else:
+            B //= P
+        buf = POOL.take((P, A, B, nq + 2 * nk, d), ref.dtype, ref.device)
+        # 1. one copy: the three gradients into the layout the forward received
+        for g, lo, hi in ((gq, 0, nq), (gk, nq, nq + nk), (gv, nq + nk, nq + 2 * nk)):
+            if g is None:
+                buf[..., lo:hi, :].zero_()
+            else:
+                buf[..., lo:hi, :].copy_(_chunks_of_full(g, layout, P))
+        # 2. one collective (the inverse permutation of the forward's)
+        sizes = ctx.sizes
+        recv = POOL.take((sum(sizes),) if sizes else (P, A, B, nq + 2 * nk, d), ref.dtype, ref.device)
+        all_to_all(recv, buf, ctx.group, sizes, None if sizes is None else [A * B * (nq + 2 * nk) * d] * P)
+        # 3. one copy back to [A, B, h, d]; copies of a kv head summed
+        dq, dk, dv = _unpack_qkv_grad(recv, plan, sizes, A, B, d, ctx.kshape)
+        return dq, dk, dv, None, None, None, None
+
+
+class HeadToSeq(torch.autograd.Function):
+    """Full-sequence output of this rank's heads -> token shard with every head, one collective."""
+
+    @staticmethod
+    def forward(ctx, out, group, plan: HeadPlan, layout: str, rank: int):
+        P = plan.degree
+        ctx.group, ctx.plan, ctx.layout, ctx.rank = group, plan, layout, rank
+        send = _layout_as_chunks(out, layout, P)  # [P, A, B, n_me, d]: zero copies for contiguous sbhd
+        _, A, B, n_me, d = send.shape
+        if plan.uniform:
+            recv = POOL.take(tuple(send.shape), send.dtype, send.device)
+            all_to_all(recv, send, group)
+            return _fresh(recv.permute(1, 2, 0, 3, 4), (A, B, P * n_me, d))
+        sizes = [A * B * plan.q_count(j) * d for j in range(P)]
+        recv = POOL.take((sum(sizes),), send.dtype, send.device)
+        all_to_all(recv, send, group, sizes, [A * B * n_me * d] * P)
+        result = send.new_empty(A, B, plan.num_q_heads, d)
+        off = 0
+        for j in range(P):
+            lo, hi = plan.q_range(j)
+            result[:, :, lo:hi] = recv[off:off + sizes[j]].view(A, B, hi - lo, d)
+            off += sizes[j]
+        return result
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        plan, P, rank = ctx.plan, ctx.plan.degree, ctx.rank
+        A, B, _, d = g.shape
+        n_me = plan.q_count(rank)
+        if plan.uniform:
+            send = _fresh(g.unflatten(2, (P, n_me)).permute(2, 0, 1, 3, 4), (P, A, B, n_me, d))
+            recv = POOL.take(tuple(send.shape), g.dtype, g.device)
+            all_to_all(recv, send, ctx.group)
+        else:
+            sizes = [A * B * plan.q_count(j) * d for j in range(P)]
+            send = torch.cat([g[:, :, slice(*plan.q_range(j))].reshape(-1) for j in range(P)])
+            recv = POOL.take((P, A, B, n_me, d), g.dtype, g.device)
+            all_to_all(recv, send, ctx.group, [A * B * n_me * d] * P, sizes)
+        return _recv_as_layout(recv, ctx.layout), None, None, None, None
+
+
+def seq_to_head(q, k, v, group, plan: HeadPlan, layout: str = "sbhd", rank: Optional[int] = None):
+    """Differentiable: token-sharded q, k, v -> this rank's heads over the full sequence."""
+    if plan.degree == 1:
+        return q, k, v
+    return SeqToHead.apply(q, k, v, group, plan, layout, dist.get_rank(group) if rank is None else rank)
+
+
+def head_to_seq(out, group, plan: HeadPlan, layout: str = "sbhd", rank: Optional[int] = None):
+    """Differentiable: this rank's heads over the full sequence -> token shard, all heads."""
+    if plan.degree == 1:
+        return out
+    return HeadToSeq.apply(out, group, plan, layout, dist.get_rank(group) if rank is None else rank)
+
+
+def expand_kv(t: torch.Tensor, plan: HeadPlan, rank: int) -> torch.Tensor:
+    """One kv head per local query head, when the local heads are not an ordinary GQA layout."""
+    idx = plan.kv_index_for_q(rank)
+    return t if idx is None else t.index_select(2, torch.tensor(idx, device=t.device))
+
+
+# ----------------------------------------------------------------------------- references
+def reference_seq_to_head(full: torch.Tensor, rank: int, plan: HeadPlan, kind: str, layout: str = "sbhd"):
+    """Heads of ``rank`` from the full-sequence tensor (``kind`` 'q' or 'kv'): what the exchange delivers."""
+    lo, hi = plan.q_range(rank) if kind == "q" else plan.kv_range(rank)
+    return full[:, :, lo:hi]
+
+
+def shard_tokens(full: torch.Tensor, rank: int, degree: int, layout: str = "sbhd") -> torch.Tensor:
+    """Contiguous token shard ``rank`` of ``degree`` of a full-sequence tensor."""
+    return full.chunk(degree, dim=seq_dim(layout))[rank]

@@ -1,0 +1,201 @@
+"""``UlyssesAttention``: Megatron-Core's ``core_attention`` slot filled with Ulysses.
+
+Builder keywords and forward signature are Megatron's, so it goes into a layer spec in place of
+``DotProductAttention`` / ``TEDotProductAttention`` (:mod:`ulysses_mcore.megatron.specs`).  The
+groups come from Megatron's ``pg_collection`` when Megatron passes one (its context-parallel
+group, or the two levels of its hierarchical one), else from the one registry
+(:mod:`ulysses_mcore.state`) that :func:`ulysses_mcore.initialize` and the Megatron-LM patches
+fill.  Validation runs once per input signature (a :class:`~ulysses_mcore.validation.Validator`
+per module); in steady state a forward is two all-to-alls and nothing else.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+
+from .. import state
+from ..attention import ulysses_attention
+from ..backends import Kernel
+from ..exchange import head_layout_error
+from ..validation import Validator
+
+
+def _size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def resolve_groups(config, pg_collection, ulysses_group=None, ring_group=None):
+    """``(ulysses_group, ring_group)`` for a module: explicit arguments first; then Megatron's
+    ``pg_collection`` (``ulysses``/``ring_cp`` attributes when it carries them, else its
+    context-parallel group -- split into its hierarchical levels ``[ulysses, ring]`` when
+    ``config.hierarchical_context_parallel_sizes`` has two); then the registry."""
+    if ulysses_group is not None or ring_group is not None:
+        return ulysses_group, ring_group
+    reg = state.registry()
+    if pg_collection is not None and hasattr(pg_collection, "ulysses"):
+        return pg_collection.ulysses, getattr(pg_collection, "ring_cp", None)
+    cp = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+    if cp is None:
+        return reg.ulysses_group, reg.ring_group
+    hier = getattr(config, "hierarchical_context_parallel_sizes", None) or []
+    if len(hier) == 2 and min(hier) > 1:
+        hcp = getattr(pg_collection, "hcp", None)
+        if hcp:
+            return hcp[0], hcp[1]
+    if _size(cp) == 1:
+        return None, None
+    if reg.ulysses_group is None and reg.ring_group is not None:  # registered as a ring only
+        return None, cp
+    return cp, None
+
+
+class UlyssesAttention(MegatronModule):
+    """Drop-in ``core_attention`` for Megatron-Core's ``SelfAttention``.
+
+    Builder keywords are Megatron's (``config, layer_number, attn_mask_type,
+    attention_type, attention_dropout, softmax_scale, cp_comm_type, pg_collection``) plus
+    ``ulysses_group`` (default: the group registered by :func:`ulysses_mcore.initialize`)
+    and ``backend`` (``"sdpa"``, ``"flash"``, ``"te"`` or a callable).
+
+    Forward takes Megatron's ``query [s/P, b, hq, d]``, ``key``/``value [s/P, b, hk, d]``
+    for the local token shard and returns ``[s/P, b, hq*d]``.  ``attn_mask_type`` causal
+    ignores ``attention_mask`` (as Transformer Engine does); padding / arbitrary masks must
+    cover the full sequence ``[b or 1, 1 or heads, s, s]`` (True = masked).
+
+    With ``config.context_parallel_size = ulysses x cp`` the ring group runs ring attention
+    after the all-to-all.  ``packed_seq_params`` (``thd``): ``cu_seqlens_q`` are the global
+    document boundaries of the packed stream (:func:`ulysses_mcore.megatron.batch.packed_seq_params`);
+    with ``cu_seqlens_q_padded`` (Megatron-LM / TE: documents padded between each other) the
+    tokens sit at the padded offsets and the pads are neither queries nor keys.
+    """
+
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str = "self",
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection=None,
+        ulysses_group=None,
+        backend: Union[str, Kernel] = "sdpa",
+        check: bool = True,
+        token_order: Optional[str] = None,
+        ring_group=None,
+    ):
+        super().__init__(config=config)
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+        self.backend = backend
+        self.check = check
+        self.current_max_attn_logits = None
+        # Megatron shards a sequence over its context-parallel axis (which is Ulysses x ring
+        # here) in dual-chunk order, and slices RoPE to match: follow it by default.
+        cp_size = getattr(config, "context_parallel_size", 1)
+        self.token_order = token_order or ("load_balanced" if cp_size > 1 else "contiguous")
+
+        tp_group = getattr(pg_collection, "tp", None) if pg_collection is not None else None
+        if tp_group is None:
+            from megatron.core import parallel_state
+
+            tp = parallel_state.get_tensor_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
+        else:
+            tp = dist.get_world_size(tp_group)
+        self.group, self.ring_group = resolve_groups(config, pg_collection, ulysses_group, ring_group)
+        self.degree, self.ring = _size(self.group), _size(self.ring_group)
+        self.validator = Validator()
+        if (cp_size > 1 or self.ring > 1) and cp_size != self.degree * self.ring:
+            raise ValueError(
+                f"config.context_parallel_size={cp_size} but the Ulysses group has {self.degree} ranks and the "
+                f"ring {self.ring}: Megatron's context-parallel size must be --ulysses-degree x "
+                "--context-parallel-size; build the groups with ulysses_mcore.initialize(ulysses=..., cp=...)"
+            )
+        heads, groups = config.num_attention_heads, config.num_query_groups or config.num_attention_heads
+        if heads % tp or groups % tp:
+            raise ValueError(
+                f"--tensor-model-parallel-size {tp} must divide --num-attention-heads {heads} "
+                f"and --num-query-groups {groups}"
+            )
+        # Head counts live on the instance, never in process-global state.
+        self.num_q_heads = heads // tp
+        self.num_kv_heads = groups // tp
+        self.head_dim = config.kv_channels
+        err = head_layout_error(self.num_q_heads, self.num_kv_heads, self.degree)
+        if err:
+            raise ValueError(
+                f"--ulysses-degree {self.degree} does not fit the heads per tensor-parallel rank "
+                f"(tp={tp}, --num-attention-heads {heads}, --num-query-groups {groups}): {err}"
+            )
+        if getattr(config, "softmax_type", "vanilla") != "vanilla":
+            raise ValueError(
+                f"UlyssesAttention supports softmax_type='vanilla' only, got {config.softmax_type!r}"
+            )
+        if getattr(config, "window_size", None) is not None:
+            raise ValueError(
+                "UlyssesAttention does not implement sliding-window attention (config.window_size="
+                f"{config.window_size}); unset --window-size"
+            )
+        self.softmax_scale = (
+            softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
+        )
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[torch.Tensor] = None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:
+        cu, lens, cu_kv, order = None, None, None, self.token_order
+        if packed_seq_params is not None:
+            cu, lens, cu_kv, order = self._packed(packed_seq_params, query.shape[0])
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
+        mask = None if mask_type in (AttnMaskType.causal, AttnMaskType.no_mask) or cu is not None else attention_mask
+        expected = (self.num_q_heads, self.num_kv_heads)
+        if self.check:  # once per input signature; cached verdicts after that
+            self.validator.check(
+                query, key, value, group=self.group, ring_group=self.ring_group,
+                degree=self.degree, ring=self.ring, layout="thd" if cu is not None else "sbhd",
+                backend=self.backend, causal=causal, softmax_scale=self.softmax_scale, attention_mask=mask,
+                attention_bias=attention_bias, dropout_p=self.dropout_p if self.training else 0.0,
+                token_order=order, overlap_chunks=1, cu_seqlens=cu, seqlens=lens, cu_seqlens_kv=cu_kv,
+                expected_heads=expected, qkv_format=getattr(packed_seq_params, "qkv_format", None))
+        out = ulysses_attention(
+            query, key, value,
+            group=self.group, causal=causal, layout="thd" if cu is not None else "sbhd", backend=self.backend,
+            softmax_scale=self.softmax_scale, attention_mask=mask, attention_bias=attention_bias,
+            dropout_p=self.dropout_p if self.training else 0.0, check=False,
+            token_order=order, ring_group=self.ring_group, cu_seqlens=cu, seqlens=lens,
+        )
+        if cu is not None:
+            return out.reshape(out.shape[0], -1)  # [t, h*d]; Megatron adds the batch dim back
+        return out.reshape(out.shape[0], out.shape[1], -1)
+
+    def _packed(self, psp, local_tokens: int):
+        """(cu_seqlens for the kernel, real lengths or None, cu_seqlens_kv, token order) of
+        Megatron's ``PackedSeqParams``, from tensor shapes only (no device sync)."""
+        real, padded = psp.cu_seqlens_q, getattr(psp, "cu_seqlens_q_padded", None)
+        order = self.token_order
+        # one padded slot [0, total]: the stream sharded whole (this package's pack_batch + shard_batch);
+        # more: Transformer Engine's / Megatron-LM's per-document layout, documents padded to 2 x CP
+        per_document = padded is not None and padded.numel() > 2
+        if per_document and self.degree * self.ring > 1:
+            order = "per_document"
+        if not per_document:
+            return real, None, getattr(psp, "cu_seqlens_kv", None), order
+        # tokens sit at their padded offsets; real lengths say where each document's pad starts
+        return padded, None if real is None else real[1:] - real[:-1], None, order

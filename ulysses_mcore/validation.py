@@ -1,0 +1,388 @@
+"""Input validation that ends the same way on every rank, once per call signature.
+
+A rank that raises before a collective its peers have entered leaves them hanging.  So no
+rank raises on what it sees alone: it writes its inputs, and any problem it finds in them,
+into a typed :class:`CallRecord`; the group exchanges the records (one small
+``all_gather_object``); every rank runs the same pure function (:func:`verdict`) over all of
+them and raises the same ``ValueError``, or none does.
+
+That exchange costs a collective and host work, so it runs once per *signature*
+(:func:`signature`: shapes, dtypes, devices, flags, scale -- all known on the host without a
+device sync) and the verdict is cached (:class:`Validator`).  In steady state a call does no
+validation collective and no device-to-host copy.  Packed-sequence boundaries (``cu_seqlens``)
+are compared in full, value by value, on the first call of a signature; later batches with
+the same signature are trusted, as Transformer Engine trusts them.  All ranks of a group must
+change signature together (they run the same model on the same kind of batch).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .backends import BUILTIN_BACKENDS, backend_error
+from .exchange import LAYOUTS, head_layout_error, is_even, overlap_error
+
+TOKEN_ORDERS = ("contiguous", "load_balanced", "per_document")
+
+
+@dataclass(frozen=True)
+class TensorSig:
+    shape: Tuple[int, ...]
+    dtype: str
+    device: str
+    requires_grad: bool = False
+
+    @staticmethod
+    def of(t) -> Optional["TensorSig"]:
+        if t is None:
+            return None
+        if not isinstance(t, torch.Tensor):
+            return TensorSig((), type(t).__name__, "not a tensor")
+        return TensorSig(tuple(t.shape), str(t.dtype).replace("torch.", ""), t.device.type, t.requires_grad)
+
+
+@dataclass(frozen=True)
+class CallRecord:
+    """One rank's view of one call, compared field by field across ranks."""
+
+    problem: str                    # this rank's own problem ("" = none): it travels to every rank
+    layout: str
+    backend: str
+    causal: Any                     # must be a bool (a problem otherwise)
+    query: TensorSig
+    key: TensorSig
+    value: TensorSig
+    mask: Optional[TensorSig]
+    bias: Optional[TensorSig]
+    softmax_scale: Optional[float]
+    dropout_p: float
+    token_order: str
+    overlap_chunks: int
+    degree: int
+    ring: int
+    cu_seqlens: Optional[Tuple[int, ...]]  # the global document boundaries, in full
+    seqlens: Optional[Tuple[int, ...]]     # real lengths when documents are padded (THD), else None
+
+
+# ----------------------------------------------------------------------------- signature
+def _sig(t, values: bool = False):
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        return ("not a tensor", type(t).__name__)
+    sig = (tuple(t.shape), t.dtype, t.device, t.requires_grad)
+    if values and t.device.type == "cpu" and t.dim() == 1 and not t.is_floating_point():
+        sig += (tuple(t.tolist()),)  # host values: reading them costs no device sync
+    return sig
+
+
+_TENSOR_OPTS = ("attention_mask", "attention_bias", "cu_seqlens", "seqlens", "cu_seqlens_kv")
+
+
+def signature(query, key, value, opts: Dict[str, Any]) -> tuple:
+    """What decides the verdict, read without a device sync: shapes, dtypes, devices, flags, and
+    packed-sequence boundaries when they are on the host (on a GPU they are keyed by shape only)."""
+    return (_sig(query), _sig(key), _sig(value)) + tuple(
+        (k, _sig(v, values=k in ("cu_seqlens", "seqlens", "cu_seqlens_kv"))
+         if isinstance(v, torch.Tensor) or k in _TENSOR_OPTS else _hashable(v))
+        for k, v in sorted(opts.items()))
+
+
+def _hashable(v):
+    try:
+        hash(v)
+        return (type(v).__name__, v)
+    except TypeError:
+        return (type(v).__name__, id(v))
+
+
+# ----------------------------------------------------------------------------- one rank
+def _backend_name(backend) -> str:
+    return backend if isinstance(backend, str) else "callable"
+
+
+def _int_list(t) -> Optional[Tuple[int, ...]]:
+    if t is None or not isinstance(t, torch.Tensor) or t.dim() != 1 or t.is_floating_point() or t.is_complex():
+        return None
+    return tuple(t.detach().to("cpu", torch.int64).tolist())  # first call of a signature only
+
+
+def _local_problem(q, k, v, o: Dict[str, Any], degree: int, ring: int) -> str:
+    """What is wrong with this rank's inputs alone ("" if nothing)."""
+    layout, backend = o["layout"], o["backend"]
+    thd = layout == "thd"
+    if not isinstance(layout, str) or layout not in LAYOUTS + ("thd",):
+        return f"layout={layout!r} is unknown: use 'sbhd' ([s, b, h, d], Megatron's), 'bshd' or 'thd' (packed)"
+    if not isinstance(o["causal"], bool):
+        return f"causal must be True or False, got {o['causal']!r}"
+    if not callable(backend) and backend not in BUILTIN_BACKENDS:
+        return (f"backend={backend!r} is unknown: use one of {list(BUILTIN_BACKENDS)} or a callable "
+                "(q, k, v, *, causal, softmax_scale) -> out")
+    err = backend_error(backend)
+    if err:
+        return err
+    want = 3 if thd else 4
+    shape_names = "[t, h, d]" if thd else f"[{','.join(layout)}]"
+    for name, t in (("query", q), ("key", k), ("value", v)):
+        if not isinstance(t, torch.Tensor):
+            return f"{name} must be a torch.Tensor, got {type(t).__name__}"
+        if not t.is_floating_point():
+            return f"{name} must be a floating-point tensor, got {str(t.dtype).replace('torch.', '')}"
+        if t.dim() != want:
+            hint = " (for [s, b, h, d] use layout='sbhd')" if thd else (" (packed [t, h, d]: layout='thd')"
+                                                                       if t.dim() == 3 else "")
+            return f"{name} must be a {want}-D {shape_names} tensor for layout={layout!r}; it is {t.dim()}-D{hint}"
+    if len({q.dtype, k.dtype, v.dtype}) > 1:
+        names = ", ".join(str(t.dtype).replace("torch.", "") for t in (q, k, v))
+        return f"query, key and value must share one dtype; they are {names}: cast them to one dtype"
+    if len({q.device.type, k.device.type, v.device.type}) > 1:
+        return (f"query, key and value must be on one device; they are on {q.device.type}, {k.device.type}, "
+                f"{v.device.type}: move them to one device")
+    sdim = 0 if layout in ("sbhd", "thd") else 1
+    hdim = q.dim() - 2
+    checks = [(sdim, "sequence size")] + ([] if thd else [(1 - sdim, "batch size")]) + [(hdim + 1, "head dim")]
+    for dim, what in checks:
+        vals = (q.shape[dim], k.shape[dim], v.shape[dim])
+        if len(set(vals)) > 1:
+            return f"query, key and value disagree in {what} (dim {dim} of {shape_names}): {vals[0]}, {vals[1]}, {vals[2]}"
+    if k.shape[hdim] != v.shape[hdim]:
+        return f"key and value must have the same number of heads: {k.shape[hdim]} and {v.shape[hdim]}"
+    if q.shape[sdim] < 1:
+        return "the sequence shard is empty (length 0): every rank needs at least one token"
+    expected = o.get("expected_heads")
+    if expected is not None and (q.shape[hdim], k.shape[hdim]) != expected:
+        return (f"the module was built for {expected[0]} query / {expected[1]} kv heads per tensor-parallel rank "
+                f"but got {q.shape[hdim]} / {k.shape[hdim]}: build it with the model's config")
+    err = head_layout_error(q.shape[hdim], k.shape[hdim], degree)
+    if err:
+        return f"{err} (heads are dim {hdim} of {shape_names})"
+    chunks = o["overlap_chunks"]
+    if degree > 1 and (not isinstance(chunks, int) or chunks != 1):
+        if not is_even(q.shape[hdim], k.shape[hdim], degree):
+            return f"overlap_chunks={chunks} needs heads that divide evenly over the degree {degree}"
+        err = overlap_error(q.shape[hdim], k.shape[hdim], degree, chunks)
+        if err:
+            return err
+    for name in ("attention_mask", "attention_bias"):
+        t = o.get(name)
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            return f"{name} must be a torch.Tensor or None, got {type(t).__name__}"
+        if name == "attention_mask" and t.dtype != torch.bool:
+            return (f"attention_mask must be a bool tensor (True = masked, Megatron's convention), got "
+                    f"{str(t.dtype).replace('torch.', '')}: pass mask.bool() if 1 means masked, ~mask.bool() if 1 means keep")
+        if name == "attention_bias" and not t.is_floating_point():
+            return f"attention_bias must be floating point (added to the scores), got {str(t.dtype).replace('torch.', '')}"
+        if thd:
+            return (f"layout='thd' takes no {name}: documents are separated by cu_seqlens; "
+                    "unpack to 'sbhd' for arbitrary masks")
+    scale, p = o["softmax_scale"], o["dropout_p"]
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)):
+        return f"softmax_scale must be a finite number or None, got {scale!r}"
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
+        return f"dropout_p must be a number in [0, 1], got {p!r}"
+    if o["token_order"] not in TOKEN_ORDERS:
+        return f"token_order={o['token_order']!r} is unknown: use one of {list(TOKEN_ORDERS)}"
+    return _packed_problem(q, o, degree, ring)
+
+
+def _packed_problem(q, o, degree, ring) -> str:
+    cu, thd = o.get("cu_seqlens"), o["layout"] == "thd"
+    if o.get("qkv_format") not in (None, "thd"):
+        return f"packed_seq_params.qkv_format={o['qkv_format']!r}: packed sequences are supported in 'thd' format only"
+    if o.get("qkv_format") == "thd" and cu is None:
+        return ("packed_seq_params needs cu_seqlens_q (global document boundaries of the packed stream); build it "
+                "with ulysses_mcore.megatron.batch.packed_seq_params()")
+    if cu is not None and not thd:
+        return f"cu_seqlens is given but layout={o['layout']!r}: pass layout='thd' for packed sequences"
+    if not thd:
+        if o["token_order"] == "per_document":
+            return "token_order='per_document' is for packed input (layout='thd' with cu_seqlens)"
+        return ""
+    if cu is None:
+        return "layout='thd' needs cu_seqlens (the global document boundaries of the packed stream)"
+    if callable(o["backend"]):
+        return "layout='thd' needs backend='sdpa', 'flash' or 'te' (varlen kernels), not a callable"
+    vals = _int_list(cu)
+    if vals is None or len(vals) < 2:
+        return "cu_seqlens must be a 1-D integer tensor [documents + 1]"
+    if vals[0] != 0 or any(b < a for a, b in zip(vals, vals[1:])):
+        return (f"cu_seqlens must start at 0 and never decrease (it starts at {vals[0]}): give the cumulative "
+                "document lengths of the whole packed stream")
+    total = q.shape[0] * degree * ring
+    if vals[-1] != total:
+        return (f"cu_seqlens ends at {vals[-1]}, but the packed stream is {total} tokens ({q.shape[0]} per rank x "
+                f"{degree * ring} ranks): cu_seqlens must cover the whole global stream; pad the stream to a "
+                "multiple of the degree with a last document")
+    kv = o.get("cu_seqlens_kv")
+    if kv is not None and kv is not cu and _int_list(kv) != vals:
+        return ("cu_seqlens_kv must equal cu_seqlens_q for self-attention; build the batch with "
+                "ulysses_mcore.megatron.batch.packed_seq_params()")
+    lens = o.get("seqlens")
+    if lens is not None:
+        real = _int_list(lens)
+        if real is None or len(real) != len(vals) - 1:
+            return f"seqlens (real document lengths) must be a 1-D integer tensor of {len(vals) - 1} entries"
+        if any(n < 0 or n > b - a for n, a, b in zip(real, vals, vals[1:])):
+            return "seqlens: every real document length must be between 0 and its padded length (cu_seqlens)"
+    if o["token_order"] == "per_document":
+        need = 2 * degree * ring
+        if ring > 1:
+            return ("token_order='per_document' (Transformer Engine's THD layout) does not combine with a ring: "
+                    "shard the packed stream with token_order='load_balanced' instead")
+        if any((b - a) % need for a, b in zip(vals, vals[1:])):
+            return (f"token_order='per_document' deals every document out in {need} chunks, so every (padded) "
+                    f"document length must be a multiple of {need}: pad the documents (cu_seqlens_padded), or "
+                    "shard the stream whole with token_order='load_balanced'")
+    return ""
+
+
+def _ring_problem(r: CallRecord) -> str:
+    if r.ring <= 1:
+        return ""
+    if r.backend not in ("sdpa", "te"):
+        return (f"a ring (ring_group of {r.ring} ranks, --context-parallel-size) runs with backend='sdpa' (the "
+                f"log-sum-exp ring) or 'te' (Transformer Engine's p2p ring); got backend={r.backend!r}")
+    if r.dropout_p:
+        return f"attention dropout is not supported with a ring (ring_group of {r.ring} ranks): set --attention-dropout 0"
+    if r.bias is not None and r.bias.requires_grad:
+        return ("attention_bias requires grad, but the ring treats the bias as a constant: pass "
+                "attention_bias.detach() or use --context-parallel-size 1")
+    if r.seqlens is not None:
+        return ("packed documents with padding between them (cu_seqlens_q != cu_seqlens_q_padded) cannot run with "
+                "a ring: build the batch with ulysses_mcore.megatron.batch.pack_batch + shard_batch")
+    if r.backend == "te" and (r.layout == "thd" or r.mask is not None or r.bias is not None):
+        return ("backend='te' with a ring takes causal / no-mask unpacked input only: use backend='sdpa' for "
+                "masks, bias or packed sequences with a ring")
+    return ""
+
+
+def describe(query, key, value, *, degree: int = 1, ring: int = 1, **opts) -> CallRecord:
+    """This rank's record.  Never raises: a problem is written into the record."""
+    try:
+        problem = _local_problem(query, key, value, opts, degree, ring)
+    except Exception as ex:  # noqa: BLE001 - whatever it is, every rank must hear of it
+        problem = f"invalid input ({type(ex).__name__}: {ex})"
+    o = opts
+    rec = CallRecord(
+        problem=problem, layout=str(o["layout"]), backend=_backend_name(o["backend"]), causal=o["causal"],
+        query=TensorSig.of(query), key=TensorSig.of(key), value=TensorSig.of(value),
+        mask=TensorSig.of(o.get("attention_mask")), bias=TensorSig.of(o.get("attention_bias")),
+        softmax_scale=o["softmax_scale"], dropout_p=o["dropout_p"], token_order=str(o["token_order"]),
+        overlap_chunks=o["overlap_chunks"], degree=degree, ring=ring,
+        cu_seqlens=None if problem else _int_list(o.get("cu_seqlens")),
+        seqlens=None if problem else _int_list(o.get("seqlens")),
+    )
+    if not problem:
+        problem = _ring_problem(rec) or _full_sequence_problem(rec)
+        if problem:
+            rec = replace(rec, problem=problem)
+    return rec
+
+
+def _full_sequence_problem(r: CallRecord) -> str:
+    sdim = 1 if r.layout == "bshd" else 0
+    seq = r.query.shape[sdim] * r.degree * r.ring
+    b = 1 if r.layout == "thd" else r.query.shape[1 - sdim]
+    heads = r.query.shape[-2]
+    if r.token_order == "load_balanced" and r.query.shape[sdim] % 2:
+        return (f"token_order='load_balanced' holds 2 chunks per rank, so the tokens per rank must be even; there "
+                f"are {r.query.shape[sdim]}: make the sequence a multiple of {2 * r.degree * r.ring}")
+    for name, s in (("attention_mask", r.mask), ("attention_bias", r.bias)):
+        if s is None:
+            continue
+        shp = list(s.shape)
+        if len(shp) != 4 or any(x not in (1, w) for x, w in zip(shp[:2], (b, heads))) or shp[2:] != [seq, seq]:
+            return (f"{name} must cover the full sequence, shape [b or 1, heads or 1, {seq}, {seq}] (b={b}, "
+                    f"heads={heads}); it is {shp if len(shp) == 4 else 'not 4-D'}")
+    return ""
+
+
+# ----------------------------------------------------------------------------- all ranks
+def _tokens(r: CallRecord) -> int:
+    return r.query.shape[1 if r.layout == "bshd" else 0]
+
+
+_AGREE = [  # (what the message calls it, the value compared)
+    ("layout", lambda r: r.layout),
+    ("tokens per rank (the sequence must be split evenly: pad it to a multiple of the degree with masked "
+     "tokens)", _tokens),
+    ("query shape", lambda r: list(r.query.shape)),
+    ("key/value shape", lambda r: list(r.key.shape)),
+    ("dtype", lambda r: r.query.dtype),
+    ("device", lambda r: r.query.device),
+    ("causal", lambda r: r.causal),
+    ("softmax_scale", lambda r: r.softmax_scale),
+    ("dropout_p", lambda r: r.dropout_p),
+    ("attention_mask (presence, shape, dtype)", lambda r: r.mask),
+    ("attention_bias (presence, shape, dtype, requires_grad)", lambda r: r.bias),
+    ("token_order", lambda r: r.token_order),
+    ("overlap_chunks", lambda r: r.overlap_chunks),
+    ("backend", lambda r: r.backend),
+    ("Ulysses degree", lambda r: r.degree),
+    ("ring size", lambda r: r.ring),
+    ("cu_seqlens (the global document boundaries must be identical on every rank)", lambda r: r.cu_seqlens),
+    ("seqlens (real document lengths must be identical on every rank)", lambda r: r.seqlens),
+]
+
+
+def verdict(records: Sequence[CallRecord], degree: int) -> Optional[str]:
+    """The first problem over every rank's record, or ``None``.  Pure: same answer everywhere.
+
+    ``records``: one per rank of the sample group, Ulysses rank fastest (``u + degree*j``)."""
+    ring = len(records) // max(degree, 1)
+    for r, rec in enumerate(records):
+        if rec.problem:
+            where = f"rank {r % degree} of the Ulysses group" + (f", ring rank {r // degree}" if ring > 1 else "")
+            return f"{rec.problem} (on {where})"
+    for what, get in _AGREE:
+        vals = [get(rec) for rec in records]
+        if any(v != vals[0] for v in vals):
+            vals = [list(v) if isinstance(v, tuple) else v for v in vals]
+            who = "Ulysses group" if ring <= 1 else f"Ulysses x ring group ({degree} x {ring})"
+            return f"ranks of the {who} disagree in {what}: per rank {vals}"
+    return None
+
+
+def exchange(rec: CallRecord, group) -> List[CallRecord]:
+    """Every rank's record (one all_gather_object: a first call of a signature only)."""
+    out: List[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, rec, group=group)
+    return out
+
+
+class Validator:
+    """Valid call signatures, remembered (per module, or per process for the functional API).
+
+    Only "valid" is cached: a problem raises on every rank and is looked at afresh next time.
+    An entry holds its groups, so a group's id cannot be reused by another while it is cached."""
+
+    def __init__(self, max_entries: int = 256):
+        self.cache: Dict[tuple, tuple] = {}
+        self.max_entries = max_entries
+
+    def check(self, query, key, value, *, group, ring_group, degree: int, ring: int, **opts) -> None:
+        sig = (id(group), id(ring_group), degree, ring, signature(query, key, value, opts))
+        if sig in self.cache:
+            return
+        rec = describe(query, key, value, degree=degree, ring=ring, **opts)
+        records = [rec]
+        if degree > 1:
+            records = exchange(rec, group)
+        if ring > 1:  # every rank of the sample group sees every record: one verdict everywhere
+            records = [r for block in exchange(records, ring_group) for r in block]
+        problem = verdict(records, degree)
+        if problem:
+            raise ValueError(f"ulysses_attention: {problem}")
+        if len(self.cache) >= self.max_entries:
+            self.cache.clear()
+        self.cache[sig] = (group, ring_group)
+
+
+__all__ = ["CallRecord", "TensorSig", "Validator", "describe", "verdict", "signature", "TOKEN_ORDERS"]
