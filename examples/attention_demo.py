@@ -33,7 +33,7 @@ def main():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if use_cuda else "gloo")
     import ulysses_mcore
-    from ulysses_mcore import comm
+    from ulysses_mcore import exchange
 
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = torch.device("cuda" if use_cuda else "cpu")
@@ -76,12 +76,12 @@ def main():
     worst = torch.tensor(max(errs))
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
 
-    plan = comm.HeadPlan(hq, hk, U) if comm.is_even(hq, hk, U) else comm.HeadPlan(hq, hq, 1)
+    plan = exchange.HeadPlan(hq, hk, U)
     elem = torch.finfo(q.dtype).bits // 8
-    qkv_bytes = (S // world) * b * U * plan.heads_per_chunk * d * elem
+    qkv_bytes = (S // world) * b * sum(plan.chunk_heads(j) for j in range(U)) * d * elem
     out_bytes = (S // world) * b * hq * d * elem
     sent = 2 * (qkv_bytes + out_bytes) * (U - 1) // U  # forward + backward, off-rank part
-    ring_bytes = (3 * C - 2) * 2 * (S // C) * b * plan.kv_per_rank * d * elem if C > 1 else 0
+    ring_bytes = (3 * C - 2) * 2 * (S // C) * b * max(plan.kv_count(j) for j in range(U)) * d * elem if C > 1 else 0
     if rank == 0:
         print(f"ulysses {U} x ring {C}, seq {S}, batch {b}, heads {hq} q / {hk} kv, head dim {d}, "
               f"{'causal' if causal else 'full'}, backend {'nccl' if use_cuda else 'gloo'}")

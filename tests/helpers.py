@@ -94,7 +94,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn_entry(rank, world_size, port, fn, args, queue):
+def die_with_parent(parent_pid: Optional[int] = None) -> None:
+    """Linux: this process gets SIGKILL when its parent dies (a killed pytest leaves no orphan
+    ranks).  A no-op elsewhere."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if parent_pid is not None and os.getppid() != parent_pid:  # the parent died before prctl
+        os._exit(1)
+
+
+def _spawn_entry(rank, world_size, port, fn, args, queue, parent_pid=None):
+    die_with_parent(parent_pid)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
         WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
@@ -112,7 +127,12 @@ def _spawn_entry(rank, world_size, port, fn, args, queue):
 
 
 def run_spawned(world_size: int, fn: Callable, *args, timeout: float = 600.0, retries: int = 3):
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; return results."""
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; return results.
+
+    One deadline for the whole world (``timeout`` seconds from the start, not per rank); ranks
+    still alive then are killed, and every rank dies with this process."""
+    import time
+
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -120,13 +140,14 @@ def run_spawned(world_size: int, fn: Callable, *args, timeout: float = 600.0, re
         queue = ctx.SimpleQueue()
         port = free_port()
         procs = [
-            ctx.Process(target=_spawn_entry, args=(r, world_size, port, fn, args, queue))
+            ctx.Process(target=_spawn_entry, args=(r, world_size, port, fn, args, queue, os.getpid()))
             for r in range(world_size)
         ]
+        deadline = time.monotonic() + timeout
         for p in procs:
             p.start()
         for p in procs:
-            p.join(timeout)
+            p.join(max(0.0, deadline - time.monotonic()))
         alive = [p for p in procs if p.is_alive()]
         for p in alive:
             p.kill()
@@ -196,7 +217,8 @@ def run_in_session(cmd, *, env, cwd, timeout: float):
     import tempfile
 
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=str(cwd), start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=str(cwd), start_new_session=True,
+                                preexec_fn=die_with_parent)
         try:
             rc = proc.wait(timeout=timeout)
         finally:

@@ -91,14 +91,14 @@ def test_topology(topo, model, needle):
 
 
 # ---------------------------------------------------------------- examples/pretrain_gpt.py
-def run_ranks(n, args, cwd, timeout=120):
+def run_ranks(n, args, cwd, timeout=120, script=SCRIPT):
     """``n`` ranks as separate processes (no launcher killing the others): each must exit by itself."""
     port = free_port()
     procs = []
     for r in range(n):
         env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-        procs.append(subprocess.Popen([sys.executable, SCRIPT, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        procs.append(subprocess.Popen([sys.executable, script, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True, env=env, cwd=str(cwd)))
     out = []
     t0 = time.time()
@@ -159,8 +159,13 @@ PRETRAIN = [
 ]
 
 
+SPAWNED = {"unknown flag", "world size mismatch", "missing dataset", "truncated dataset", "corrupt index",
+           "not a checkpoint", "incompatible checkpoint"}  # the rest are flag checks: run in-process
+
+
 @pytest.mark.spawn
-@pytest.mark.parametrize("name,extra,n,needle", PRETRAIN, ids=[c[0] for c in PRETRAIN])
+@pytest.mark.parametrize("name,extra,n,needle", [c for c in PRETRAIN if c[0] in SPAWNED],
+                         ids=[c[0] for c in PRETRAIN if c[0] in SPAWNED])
 def test_pretrain(assets, name, extra, n, needle):
     d, prefix = assets
     args = SMALL + [a.format(d=d, p=prefix) for a in extra]
@@ -173,6 +178,16 @@ def test_pretrain(assets, name, extra, n, needle):
     messages = {next(ln for ln in err.splitlines() if "error:" in ln) for _, _, err in res}
     assert len(messages) == 1, messages  # the same message on every rank
     assert elapsed < 120
+
+
+@pytest.mark.parametrize("name,extra,n,needle", [c for c in PRETRAIN if c[0] not in SPAWNED],
+                         ids=[c[0] for c in PRETRAIN if c[0] not in SPAWNED])
+def test_pretrain_flag_checks(name, extra, n, needle, monkeypatch, capsys):
+    """Flag checks run before torch.distributed starts, the same on every rank: in-process."""
+    from tests.test_pretrain import run_main_in_process
+
+    rc, err = run_main_in_process(SMALL + extra, monkeypatch, capsys, world_size=n)
+    assert rc == 2 and needle in err, err[-2000:]
 
 
 def test_catalogue_size():

@@ -41,6 +41,13 @@ def _world(rank, world):
     import deepspeed
     from deepspeed.sequence.layer import DistributedAttention
 
+    # DeepSpeed's CPU backend would JIT-compile its shared-memory all-reduce op with g++ here
+    # (minutes on a fresh machine); DistributedAttention uses all_to_all only: mark it unavailable.
+    from deepspeed.accelerator import get_accelerator
+
+    shm = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if shm is not None:
+        deepspeed.ops.__compatible_ops__[shm.NAME] = False
     deepspeed.init_distributed(dist_backend="gloo")
 
     def local_attn(q, k, v, causal):  # [S, b, h, d] -> [S, b, h, d], GQA by repetition

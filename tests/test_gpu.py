@@ -125,3 +125,39 @@ def test_nccl_hybrid_world(backend):
         pytest.skip(f"needs {P} GPUs")
     os.environ["ULYSSES_TEST_BACKEND"] = "nccl"
     assert max(run_spawned(P, _nccl_hybrid_world, backend)) < 3e-2
+
+
+@pytest.mark.parametrize("P", [2, 4])
+def test_threaded_world_on_one_gpu_matches_float64_without_host_syncs(P):
+    """P ranks as threads on one GPU (the threaded backend moves CUDA tensors): fp32 against
+    float64; calls after the first (which validates once) run under
+    ``torch.cuda.set_sync_debug_mode("error")``: no device-to-host sync forward or backward."""
+    import torch.distributed as dist
+
+    from tests.helpers import run_threaded
+    from ulysses_mcore import ulysses_attention
+
+    q, k, v, dout = (t.float().cuda() for t in _inputs(S=64 * P, hq=4 * P, hk=P))
+
+    def fn(rank, world):
+        torch.cuda.set_device(0)
+        outs = []
+        for step in range(3):
+            qs, ks, vs = (t.chunk(world)[rank].clone().requires_grad_() for t in (q, k, v))
+            if step:
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                out = ulysses_attention(qs, ks, vs, group=dist.group.WORLD, causal=True)
+                out.backward(dout.chunk(world)[rank])
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            outs.append((out.detach(), qs.grad, ks.grad, vs.grad))
+        return outs[-1]
+
+    res = run_threaded(P, fn)
+    qr, kr, vr = (t.double().cpu().requires_grad_() for t in (q, k, v))
+    ref = reference_attention(qr, kr, vr, causal=True)
+    ref.backward(dout.double().cpu())
+    for i, r in enumerate((ref, qr.grad, kr.grad, vr.grad)):
+        got = torch.cat([res[rank][i].double().cpu() for rank in range(P)])
+        assert ((got - r).abs().max() / r.abs().max()).item() < 1e-4, i

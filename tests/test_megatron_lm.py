@@ -84,7 +84,6 @@ def assert_same_lines(got, want, iterations, what, logged=None):
 
 # layout name: (world size, flags with Ulysses, the same script and world size without it)
 LAYOUTS = {
-    "ulysses2_learned_absolute": (2, ["--ulysses-degree", "2"], []),
     "ulysses4_rope": (4, ["--ulysses-degree", "4", *ROPE], ROPE),
     "tp2_ulysses2_distopt": (4, ["--tensor-model-parallel-size", "2", "--ulysses-degree", "2",
                                  "--use-distributed-optimizer"],
@@ -106,15 +105,17 @@ def test_loss_lines_equal_without_ulysses(layout):
     assert_same_lines(got, want, range(1, 5), layout)
 
 
-def test_indexed_data_ulysses2(tmp_path_factory):
+def test_indexed_data_ulysses2_learned_absolute(tmp_path_factory):
     """Megatron's indexed dataset (.bin/.idx from tools/preprocess_data.py, byte tokens 0-256)
-    instead of --mock-data; NullTokenizer with --vocab-size 257 covers the ids."""
+    instead of --mock-data; NullTokenizer with --vocab-size 257 covers the ids.  Learned absolute
+    positions (Megatron-LM's default; RoPE in the other cases): position_embeddings.weight must
+    start the same whatever the context-parallel size."""
     prefix = str(tmp_path_factory.mktemp("indexed") / "kjv")
     r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"), "--input",
-                        os.path.join(ROOT, "data", "kjv_genesis_exodus.jsonl"), "--output-prefix", prefix],
+                        os.path.join(ROOT, "ulysses_mcore", "corpus", "kjv_genesis_exodus.jsonl"), "--output-prefix", prefix],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    data = ["--data-path", prefix, "--split", "98,2,0", "--vocab-size", "257", *ROPE]
+    data = ["--data-path", prefix, "--split", "98,2,0", "--vocab-size", "257"]
     got = run_megatron_lm(2, ["--ulysses-degree", "2", *data])
     want = run_megatron_lm(2, data)
     assert "UlyssesAttention" in got[2] and "MockGPTDataset" not in got[2]

@@ -28,10 +28,10 @@ class Result:
         self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
 
 
-def launch(nproc, args, log_dir, timeout=300):
+def launch(nproc, args, log_dir, timeout=300, script=SCRIPT):
     """torchrun of the pretrain script in its own session (tests.helpers.run_in_session)."""
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    cmd = [torchrun, "--nproc-per-node", str(nproc), "--master-port", str(free_port()), SCRIPT, *args,
+    cmd = [torchrun, "--nproc-per-node", str(nproc), "--master-port", str(free_port()), script, *args,
            "--log-dir", str(log_dir)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     return Result(*run_in_session(cmd, env=env, cwd=log_dir, timeout=timeout))
@@ -129,7 +129,7 @@ def test_resume_at_other_degrees_continues_the_curve(runs, name):
         assert close(resumed[it], full[it]), (it, resumed[it], full[it])
 
 
-@pytest.mark.parametrize("args,needle", [
+BAD_FLAGS = [
     (["--ulysses-degree", "3"], "does not divide WORLD_SIZE(2)"),
     (["--ulysses-degree", "2", "--num-attention-heads", "1", "--num-query-groups", "1"],
      "--ulysses-degree 2 does not fit"),
@@ -139,11 +139,34 @@ def test_resume_at_other_degrees_continues_the_curve(runs, name):
     (["--save-interval", "2"], "--save-interval needs --save"),
     (["--transformer-impl", "transformer_engine"], "--transformer-impl transformer_engine needs a CUDA GPU"),
     (["--eval-iters", "-1"], "--eval-iters must be >= 0"),
-])
-def test_bad_flags_fail_fast_on_every_rank(tmp_path, args, needle):
+]
+
+
+def run_main_in_process(args, monkeypatch, capsys, world_size=2):
+    """The trainer's main() as rank r of ``world_size`` up to its flag checks (they run before
+    torch.distributed starts, identically on every rank): (exit code, stderr)."""
+    from ulysses_mcore.megatron import pretrain
+
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    try:
+        rc = pretrain.main(args)
+    except SystemExit as e:  # argparse
+        rc = e.code
+    return rc, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args,needle", BAD_FLAGS, ids=[a[0] for a, _ in BAD_FLAGS])
+def test_bad_flags_are_named_before_any_collective(args, needle, monkeypatch, capsys):
+    rc, err = run_main_in_process(COMMON + args, monkeypatch, capsys)
+    assert rc == 2 and needle in err, err[-2000:]
+
+
+def test_bad_flags_fail_fast_on_every_rank(tmp_path):
+    """For real: 2 ranks under torchrun both exit; a non-zero rank alone (its peer never starts)
+    fails the same way, before any collective."""
+    args, needle = BAD_FLAGS[0]
     r = launch(2, COMMON + args, tmp_path, timeout=120)
     assert r.returncode != 0 and needle in r.stderr, r.stderr[-2000:]
-    # a non-zero rank alone (its peer never starts) fails the same way, before any collective
     env = dict(os.environ, RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()), PYTHONWARNINGS="ignore")
     r1 = subprocess.run([sys.executable, SCRIPT, *COMMON, *args], capture_output=True, text=True, timeout=60,
@@ -191,13 +214,10 @@ def test_megatron_lm_command_line_of_a_llama_style_gpt(tmp_path):
 
 
 def test_only_a_failed_collective_is_reported_as_a_dead_peer():
-    import importlib.util
-
     import torch.distributed as dist
 
-    spec = importlib.util.spec_from_file_location("pretrain_gpt_example", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    from ulysses_mcore.megatron import pretrain as mod
+
     gloo = RuntimeError("[third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:5")
     assert mod._is_collective_failure(gloo)
     assert mod._is_collective_failure(dist.DistBackendError("NCCL error in: ... unhandled system error"))

@@ -6,9 +6,10 @@ import time
 
 import pytest
 
-from tests.test_pretrain import COMMON, launch, losses
+from tests.test_pretrain import COMMON, ROOT, launch, losses
 
 pytestmark = pytest.mark.spawn
+FAULT_SCRIPT = os.path.join(ROOT, "tests", "fault_pretrain.py")  # the trainer with faults injected from outside
 SHORT = [a if a != "6" else "4" for a in COMMON]  # 4 iterations
 
 
@@ -17,7 +18,7 @@ def launch_env(nproc, args, log_dir, fault, timeout=300):
     os.environ["ULYSSES_MCORE_FAULT"] = fault
     try:
         t0 = time.time()
-        r = launch(nproc, args, log_dir, timeout=timeout)
+        r = launch(nproc, args, log_dir, timeout=timeout, script=FAULT_SCRIPT)
         return r, time.time() - t0
     finally:
         if old is None:
@@ -89,7 +90,8 @@ def test_the_survivor_of_a_dead_peer_says_so_and_exits(tmp_path):
     try:
         t0 = time.time()
         (rc0, _, err0), (rc1, _, _) = run_ranks(2, SHORT + ["--ulysses-degree", "2", "--distributed-timeout-minutes", "1",
-                                                          "--log-dir", str(tmp_path)], tmp_path, timeout=120)
+                                                          "--log-dir", str(tmp_path)], tmp_path, timeout=120,
+                                                    script=FAULT_SCRIPT)
     finally:
         os.environ.pop("ULYSSES_MCORE_FAULT", None)
     assert rc1 == -signal.SIGKILL

@@ -20,7 +20,7 @@ from typing import Iterable, Iterator, List, Optional
 import numpy as np
 import torch
 
-EMBEDDED_CORPUS = os.path.join(os.path.dirname(__file__), "..", "..", "data", "kjv_genesis_exodus.jsonl")
+EMBEDDED_CORPUS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "corpus", "kjv_genesis_exodus.jsonl")
 
 
 class ByteTokenizer:

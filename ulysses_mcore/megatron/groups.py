@@ -50,7 +50,8 @@ def initialize(
         topo.check_model(num_attention_heads, num_query_groups, seq_length)
 
     if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
+        destroy()
+    before = set(_live_groups())
     hier = [ulysses, cp] if (ulysses > 1 and cp > 1) else None
     ps.initialize_model_parallel(
         tensor_model_parallel_size=tp,
@@ -69,6 +70,7 @@ def initialize(
     _verify(topo, rank, ulysses_group, ring)
 
     state.register(ulysses_group, ring, topo)
+    _CREATED[:] = [g for g in _live_groups() if g not in before]
     if verbose and rank == 0:
         print(f"[ulysses-mcore] parallel axes in force: {topo.describe()}; "
               f"Megatron context-parallel size {topo.context_parallel_size} "
@@ -193,12 +195,29 @@ def get_pg_collection():
     return reg.pg_collection
 
 
+_CREATED: list = []  # the process groups initialize() made (destroy() destroys exactly these)
+
+
+def _live_groups():
+    return [g for g in dist.distributed_c10d._world.pg_map if g is not dist.GroupMember.WORLD]
+
+
 def destroy() -> None:
-    """Tear down Megatron's parallel_state and forget the Ulysses groups."""
+    """Tear down Megatron's parallel_state, destroy the process groups :func:`initialize` made
+    (Megatron only drops its references: re-initialising would pile up gloo groups and their
+    threads, hundreds per rank) and forget the Ulysses groups."""
+    import gc
+
     from megatron.core import parallel_state as ps
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
+    gc.collect()  # models and optimizers of the old layout sit in reference cycles that hold its groups
+    live = set(_live_groups())
+    for g in _CREATED:
+        if g in live:
+            dist.destroy_process_group(g)
+    _CREATED.clear()
     state.clear()
 
 

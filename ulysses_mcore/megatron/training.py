@@ -161,36 +161,42 @@ class NonFiniteError(FloatingPointError):
     """NaN or Inf in the loss or the gradients (raised on every rank alike)."""
 
 
+def _grads(model):
+    """The gradient storage: DDP's flat buffers when there are any, else each main_grad."""
+    bufs = [b.grad_data for b in getattr(model, "buffers", []) + getattr(model, "expert_parallel_buffers", [])
+            if getattr(b, "grad_data", None) is not None]
+    return bufs or [p.main_grad for p in model.module.parameters() if getattr(p, "main_grad", None) is not None]
+
+
 def _nonfinite_report(model, loss: float, iteration):
-    """(bad?, message): all-reduced over the world so every rank agrees and names the first bad rank."""
+    """(bad?, message): one reduced check per step -- finiteness of the gradient buffers on the
+    device, one all-reduce, one read on the host; every rank agrees and names the first bad rank."""
     import math
 
     import torch.distributed as dist
 
-    local_bad = not math.isfinite(loss)
-    what = "loss" if local_bad else ""
-    if not local_bad:
-        for name, p in model.module.named_parameters():
-            g = getattr(p, "main_grad", None)
-            if g is not None and not torch.isfinite(g).all():
-                local_bad, what = True, f"gradient of {name}"
-                break
-    rank = dist.get_rank()
+    grads = _grads(model)
     dev = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    finite = torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else torch.tensor(True)
+    bad = (~finite.to(dev)) | (not math.isfinite(loss))
+    rank = dist.get_rank()
     # encode (bad, -rank) so MAX picks the lowest bad rank
-    flag = torch.tensor([1.0 if local_bad else 0.0, -float(rank) if local_bad else -1e9], device=dev,
-                        dtype=torch.float64)
+    flag = torch.stack([bad.double(), torch.where(bad, -float(rank), -1e9).double()]).to(dev)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if flag[0].item() == 0:
+    any_bad, neg_first = flag.tolist()
+    if any_bad == 0:
         return False, ""
-    first = int(-flag[1].item())
-    where = f"; on this rank: {what}" if local_bad else ""
-    return True, f"iteration {iteration}: NaN/Inf in the loss or gradients, first on rank {first}{where}"
+    where = ""
+    if bool(bad):  # a bad step: find what, on this rank (host work only now)
+        what = "loss" if not math.isfinite(loss) else next(
+            (f"gradient of {n}" for n, p in model.module.named_parameters()
+             if getattr(p, "main_grad", None) is not None and not torch.isfinite(p.main_grad).all()), "gradients")
+        where = f"; on this rank: {what}"
+    return True, f"iteration {iteration}: NaN/Inf in the loss or gradients, first on rank {int(-neg_first)}{where}"
 
 
 def train_step(model, optimizer, microbatches, *, seq_length: int, micro_batch_size: int,
-               scheduler=None, increment: int = 0, iteration=None, on_nonfinite: str = "stop",
-               fault_hook=None) -> Dict[str, float]:
+               scheduler=None, increment: int = 0, iteration=None, on_nonfinite: str = "stop") -> Dict[str, float]:
     """One optimizer step; returns the global token-weighted loss (on every rank), grad norm.
 
     Before the optimizer steps, every rank checks its loss and gradients for NaN/Inf and
@@ -200,8 +206,6 @@ def train_step(model, optimizer, microbatches, *, seq_length: int, micro_batch_s
     model.zero_grad_buffer()
     optimizer.zero_grad()
     reports = forward_backward(model, microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size)
-    if fault_hook is not None:
-        fault_hook(model)
     loss, count = _loss_on_all_ranks(reports)
     bad, message = _nonfinite_report(model, loss, iteration)
     if bad:
