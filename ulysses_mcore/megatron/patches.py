@@ -1,0 +1,276 @@
+"""The Megatron-LM patches' logic (entry point: the ``megatron_patches`` package and its launcher).
+
+Ulysses for users of Megatron-LM's own ``pretrain_gpt.py``, with no edit to Megatron-LM.
+
+    torchrun --nproc-per-node 8 -m megatron_patches.launch /path/to/Megatron-LM/pretrain_gpt.py \
+        --ulysses-degree 4 --tensor-model-parallel-size 2 ... (Megatron-LM's usual flags)
+
+or, inside your own copy of the script (megatron-core <= 0.16; from 0.19 pass the provider
+to ``parse_and_validate_args``)::
+
+    import megatron_patches
+    megatron_patches.apply()
+    pretrain(..., extra_args_provider=megatron_patches.add_ulysses_args)
+
+What :func:`apply` does (idempotent; :func:`remove` undoes it):
+
+1. ``validate_args`` first folds ``--ulysses-degree U`` into Megatron's context-parallel
+   axis: ``context_parallel_size = U * C`` (``C`` = ``--context-parallel-size``, the ring),
+   with ``hierarchical_context_parallel_sizes = [U, C]`` when both are > 1.  Megatron-LM
+   then does everything CP needs by itself: its ``get_batch`` slices tokens, labels,
+   loss mask and positions in dual-chunk order, RoPE is sliced the same way, DDP reduces
+   gradients over ``dp x cp`` and the loss is averaged over the right ranks.
+2. ``parallel_state.initialize_model_parallel`` registers the Ulysses group (the CP group,
+   or its first hierarchical level) for :class:`ulysses_mcore.UlyssesAttention`.
+3. The GPT layer-spec functions of megatron-core (local, Transformer Engine, decoder
+   block) return their usual spec with ``core_attention`` swapped for
+   ``UlyssesAttention`` (inner kernel TE when the spec is TE's, else SDPA) -- through
+   ``ModuleSpec``, never by patching ``SelfAttention``.  megatron-core 0.19's own GPT
+   builder (``megatron.training.models.gpt``) imports them by name and forces Megatron's
+   ``DotProductAttention`` for the local attention backend: both names are rebound there.
+   Only when ``--ulysses-degree`` > 1: without it the model is Megatron-LM's, untouched.
+4. ``megatron.core.datasets.utils.compile_helpers`` skips ``make`` when the prebuilt
+   helpers import (the megatron-core wheel ships them and no Makefile).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+from typing import Dict, Tuple
+
+_ORIGINALS: Dict[Tuple[str, str], object] = {}
+_STATE = {"ulysses": 1, "cp": 1}
+_LOCAL_SPEC: dict = {}  # the spec megatron.training's GPT builder uses for its local attention
+
+SPEC_FUNCTIONS = {
+    "get_gpt_layer_local_spec": "sdpa",
+    "get_gpt_layer_with_transformer_engine_spec": "te",
+    "get_gpt_decoder_block_spec": None,  # local or TE, chosen by its use_transformer_engine argument
+}
+
+
+def add_ulysses_args(parser):
+    """Megatron-LM ``extra_args_provider``: adds ``--ulysses-degree``."""
+    g = parser.add_argument_group(title="ulysses sequence parallelism")
+    g.add_argument("--ulysses-degree", type=int, default=1,
+                   help="Ulysses all-to-all sequence-parallel degree (inner level of context parallelism)")
+    g.add_argument("--ulysses-attention-backend", choices=["auto", "sdpa", "flash", "te"], default="auto",
+                   help="inner attention kernel (auto: TE with TE specs, SDPA otherwise)")
+    return parser
+
+
+def fold_args(args):
+    """Fold ``--ulysses-degree`` into Megatron's CP arguments (in place); returns ``args``.
+
+    Raises ``ValueError`` naming the flags when the degrees cannot work; runs on every rank
+    before any collective."""
+    u = getattr(args, "ulysses_degree", 1) or 1
+    if getattr(args, "_ulysses_folded", False):
+        return args
+    if u < 1:
+        raise ValueError(f"--ulysses-degree must be >= 1, got {u}")
+    ring = getattr(args, "context_parallel_size", 1) or 1
+    heads = getattr(args, "num_attention_heads", None)
+    if heads is not None and u > 1:
+        from ulysses_mcore.topology import Topology
+
+        tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+        pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
+        world = getattr(args, "world_size", None) or tp * u * ring * pp
+        Topology(world, tp=tp, ulysses=u, cp=ring, pp=pp).check_model(
+            heads, getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", True) else None,
+            getattr(args, "seq_length", None))
+    args.context_parallel_size = u * ring
+    if u > 1 and ring > 1:
+        args.hierarchical_context_parallel_sizes = [u, ring]
+    args._ulysses_folded = True
+    _STATE.update(ulysses=u, cp=ring, backend=getattr(args, "ulysses_attention_backend", "auto"))
+    if u > 1 and "spec" in _LOCAL_SPEC:
+        from ulysses_mcore import UlyssesAttention
+
+        _say("core attention: UlyssesAttention (inner kernel sdpa) for megatron.training's local attention backend")
+        _LOCAL_SPEC["spec"].module = UlyssesAttention
+        _LOCAL_SPEC["spec"].params = {"backend": "sdpa" if _STATE["backend"] in (None, "auto", "te")
+                                      else _STATE["backend"]}
+    return args
+
+
+_SAID: set = set()
+
+
+def _say(message: str) -> None:
+    """Print on global rank 0 only (``$RANK`` before torch.distributed is up)."""
+    import os
+
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        print(f"[ulysses-mcore] {message}", flush=True)
+
+
+def _wrap_validate(fn):
+    @functools.wraps(fn)
+    def validate_args(args, *a, **kw):
+        fold_args(args)
+        return fn(args, *a, **kw)
+
+    validate_args._ulysses = True
+    return validate_args
+
+
+def _wrap_init(fn):
+    @functools.wraps(fn)
+    def initialize_model_parallel(*a, **kw):
+        out = fn(*a, **kw)
+        from ulysses_mcore import state
+        from ulysses_mcore.megatron.groups import sequence_groups_of_parallel_state
+
+        ulysses_group, ring_group = sequence_groups_of_parallel_state(max(_STATE["ulysses"], 1), _STATE["cp"])
+        state.register(ulysses_group, ring_group, _topology_of_parallel_state())
+        if _STATE["ulysses"] > 1:
+            from megatron.core import parallel_state as ps
+
+            _say(f"parallel axes in force: tp {ps.get_tensor_model_parallel_world_size()} x ulysses "
+                 f"{_STATE['ulysses']} x cp {_STATE['cp']} x dp {ps.get_data_parallel_world_size()} x pp "
+                 f"{ps.get_pipeline_model_parallel_world_size()}; Megatron context-parallel size "
+                 f"{ps.get_context_parallel_world_size()} (ulysses {_STATE['ulysses']} inner x ring {_STATE['cp']})")
+        return out
+
+    initialize_model_parallel._ulysses = True
+    return initialize_model_parallel
+
+
+def _topology_of_parallel_state():
+    """Megatron-LM's world as a Topology (its order tp-cp-ep-dp-pp is ours with cp = ulysses x ring)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from ulysses_mcore.topology import Topology, TopologyError
+
+    try:
+        return Topology(dist.get_world_size(), tp=ps.get_tensor_model_parallel_world_size(),
+                        ulysses=max(_STATE["ulysses"], 1), cp=_STATE["cp"],
+                        pp=ps.get_pipeline_model_parallel_world_size(),
+                        ep=ps.get_expert_model_parallel_world_size())
+    except (TopologyError, AssertionError, AttributeError, RuntimeError):
+        return None  # a layout Topology does not model (e.g. expert-tensor folding): groups still hold
+
+
+def _wrap_spec(fn, default_backend):
+    @functools.wraps(fn)
+    def spec_fn(*a, **kw):
+        from ulysses_mcore.megatron.specs import swap_core_attention
+
+        spec = fn(*a, **kw)
+        if _STATE["ulysses"] <= 1:  # no --ulysses-degree: Megatron's own attention, untouched
+            return spec
+        backend = _STATE.get("backend", "auto")
+        if backend in (None, "auto"):
+            backend = default_backend
+            if backend is None:  # decoder block: TE unless use_transformer_engine=False
+                backend = "te" if kw.get("use_transformer_engine", True) else "sdpa"
+        if fn.__name__ not in _SAID:
+            _SAID.add(fn.__name__)
+            _say(f"core attention: UlyssesAttention (inner kernel {backend}) in megatron-core's {fn.__name__}")
+        return swap_core_attention(spec, backend=backend)
+
+    spec_fn._ulysses = True
+    return spec_fn
+
+
+def _wrap_compile_helpers(fn):
+    @functools.wraps(fn)
+    def compile_helpers():
+        # The megatron-core wheel ships the dataset helpers prebuilt (and no Makefile), so
+        # Megatron-LM's start-up `make` fails on a wheel install: build only what is missing.
+        if importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is not None:
+            return None
+        return fn()
+
+    compile_helpers._ulysses = True
+    return compile_helpers
+
+
+def _local_core_attention(original):
+    """What megatron.training's GPT builder puts in for ``--attention-backend local``."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    _LOCAL_SPEC["spec"] = ModuleSpec(module=original, params={})
+    return _LOCAL_SPEC["spec"]  # a shared spec: fold_args makes it Ulysses when --ulysses-degree > 1
+
+
+def _targets():
+    """(module, attribute, wrapper) for everything :func:`apply` patches that is importable."""
+    out = []
+    ps = importlib.import_module("megatron.core.parallel_state")
+    out.append((ps, "initialize_model_parallel", _wrap_init))
+    out.append((importlib.import_module("megatron.core.datasets.utils"), "compile_helpers", _wrap_compile_helpers))
+    specs = importlib.import_module("megatron.core.models.gpt.gpt_layer_specs")
+    for name, backend in SPEC_FUNCTIONS.items():
+        if hasattr(specs, name):
+            out.append((specs, name, lambda f, b=backend: _wrap_spec(f, b)))
+    for modname in ("megatron.training.arguments", "megatron.training.initialize"):
+        try:
+            mod = importlib.import_module(modname)
+        except Exception:  # Megatron-LM (megatron.training) not installed: megatron-core alone
+            continue
+        if hasattr(mod, "validate_args"):
+            out.append((mod, "validate_args", _wrap_validate))
+    # megatron-core >= 0.19's own GPT builder (megatron.training.models.gpt) forces Megatron's
+    # DotProductAttention into the spec when the attention backend is "local"; that name,
+    # rebound, gives Ulysses around the local (SDPA) kernel instead.
+    try:
+        builder = importlib.import_module("megatron.training.models.gpt")
+    except Exception:
+        builder = None
+    if builder is not None and hasattr(builder, "MCoreDotProductAttention"):
+        out.append((builder, "MCoreDotProductAttention", _local_core_attention))
+    # modules that imported the patched functions by name (Megatron-LM's gpt_builders, the
+    # 0.19 wheel's GPT model builder)
+    import sys
+
+    for modname in ("gpt_builders", "megatron.training.initialize", "pretrain_gpt", "megatron.training.models.gpt"):
+        if modname == "pretrain_gpt":  # a script: patched only if something imported it, never run here
+            mod = sys.modules.get(modname)
+            if mod is None:
+                continue
+        else:
+            try:
+                mod = importlib.import_module(modname)
+            except Exception:
+                continue
+        for name in ("initialize_model_parallel", *SPEC_FUNCTIONS):
+            if hasattr(mod, name) and (mod, name) not in [(m, n) for m, n, _ in out]:
+                wrap = _wrap_init if name == "initialize_model_parallel" else (
+                    lambda f, b=SPEC_FUNCTIONS[name]: _wrap_spec(f, b))
+                out.append((mod, name, wrap))
+    return out
+
+
+def apply():
+    """Install the patches (idempotent)."""
+    for mod, name, wrap in _targets():
+        key = (mod.__name__, name)
+        if key in _ORIGINALS:
+            continue
+        fn = getattr(mod, name)
+        if getattr(fn, "_ulysses", False):
+            continue
+        _ORIGINALS[key] = fn
+        setattr(mod, name, wrap(fn))
+
+
+def remove():
+    """Undo :func:`apply` (idempotent)."""
+    for (modname, name), fn in list(_ORIGINALS.items()):
+        setattr(importlib.import_module(modname), name, fn)
+        del _ORIGINALS[(modname, name)]
+    _STATE.update(ulysses=1, cp=1, backend="auto")
+    _LOCAL_SPEC.clear()
+
+
+def is_applied() -> bool:
+    return bool(_ORIGINALS)
