@@ -230,6 +230,21 @@ def _chunks_of_full(g: torch.Tensor, layout: str, P: int) -> torch.Tensor:
     return ch if sd == 0 else ch.transpose(0, 1)
 
 
+def _splits(plan: HeadPlan, heads_of, A, B, d) -> List[int]:
+    """Elements per destination rank of a flat buffer holding ``heads_of(j)`` heads for rank j."""
+    return [A * B * heads_of(j) * d for j in range(plan.degree)]
+
+
+def _dest_blocks(buf: torch.Tensor, plan: HeadPlan, A, B, d):
+    """The per-destination blocks of a flat q/k/v buffer in rank order: for each rank j,
+    (block ``[A, B, nq_j + 2 nk_j, d]``, its query-head range, its kv-head range)."""
+    flat, off = buf.view(-1), 0
+    for j in range(plan.degree):
+        n = A * B * plan.chunk_heads(j) * d
+        yield flat[off:off + n].view(A, B, plan.chunk_heads(j), d), plan.q_range(j), plan.kv_range(j)
+        off += n
+
+
 def _pack_qkv(q, k, v, plan: HeadPlan) -> Tuple[torch.Tensor, Optional[List[int]]]:
     """One pass into the send buffer: block j = rank j's q heads, then its k, v heads.
     Returns the buffer and the per-destination split sizes (None when uniform)."""
@@ -247,21 +262,17 @@ def _pack_qkv(q, k, v, plan: HeadPlan) -> Tuple[torch.Tensor, Optional[List[int]
                 dst = send.view(hk, rep, A, B, qn + 2 * kn, d)[..., off:off + 1, :]
                 dst.copy_(t.permute(2, 0, 1, 3)[:, None, :, :, None, :].expand_as(dst))
         return send, None
-    sizes = [A * B * plan.chunk_heads(j) * d for j in range(P)]
+    sizes = _splits(plan, plan.chunk_heads, A, B, d)
     send = POOL.take((sum(sizes),), q.dtype, q.device)
-    off = 0
-    for j in range(P):
-        (qlo, qhi), (klo, khi) = plan.q_range(j), plan.kv_range(j)
+    for blk, (qlo, qhi), (klo, khi) in _dest_blocks(send, plan, A, B, d):
         nq, nk = qhi - qlo, khi - klo
-        blk = send[off:off + sizes[j]].view(A, B, nq + 2 * nk, d)
-        off += sizes[j]
         blk[:, :, :nq].copy_(q[:, :, qlo:qhi])
         blk[:, :, nq:nq + nk].copy_(k[:, :, klo:khi])
         blk[:, :, nq + nk:].copy_(v[:, :, klo:khi])
     return send, (None if plan.uniform else sizes)
 
 
-def _unpack_qkv_grad(recv: torch.Tensor, plan: HeadPlan, in_sizes, A, B, d, kshape):
+def _unpack_qkv_grad(recv: torch.Tensor, plan: HeadPlan, A, B, d, kshape):
     """Inverse of :func:`_pack_qkv` for gradients: copies of a kv head are summed."""
     P = plan.degree
     if plan.regular:
@@ -276,16 +287,10 @@ def _unpack_qkv_grad(recv: torch.Tensor, plan: HeadPlan, in_sizes, A, B, d, ksha
                 summed = part.reshape(plan.num_kv_heads, plan.kv_replicas, A, B, d).sum(1)
                 out.append(summed.permute(1, 2, 0, 3).contiguous())
         return tuple(out)
-    sizes = in_sizes or [A * B * plan.chunk_heads(j) * d for j in range(P)]
-    flat = recv.view(-1)
     dq = recv.new_empty(A, B, plan.num_q_heads, d)
     dk, dv = recv.new_zeros(kshape), recv.new_zeros(kshape)
-    off = 0
-    for j in range(P):
-        (qlo, qhi), (klo, khi) = plan.q_range(j), plan.kv_range(j)
+    for blk, (qlo, qhi), (klo, khi) in _dest_blocks(recv, plan, A, B, d):
         nq, nk = qhi - qlo, khi - klo
-        blk = flat[off:off + sizes[j]].view(A, B, nq + 2 * nk, d)
-        off += sizes[j]
         dq[:, :, qlo:qhi] = blk[:, :, :nq]
         dk[:, :, klo:khi] += blk[:, :, nq:nq + nk]
         dv[:, :, klo:khi] += blk[:, :, nq + nk:]
@@ -337,7 +342,7 @@ class SeqToHead(torch.autograd.Function):
         recv = POOL.take((sum(sizes),) if sizes else (P, A, B, nq + 2 * nk, d), ref.dtype, ref.device)
         all_to_all(recv, buf, ctx.group, sizes, None if sizes is None else [A * B * (nq + 2 * nk) * d] * P)
         # 3. one copy back to [A, B, h, d]; copies of a kv head summed
-        dq, dk, dv = _unpack_qkv_grad(recv, plan, sizes, A, B, d, ctx.kshape)
+        dq, dk, dv = _unpack_qkv_grad(recv, plan, A, B, d, ctx.kshape)
         return dq, dk, dv, None, None, None, None
 
 
@@ -354,7 +359,7 @@ class HeadToSeq(torch.autograd.Function):
             recv = POOL.take(tuple(send.shape), send.dtype, send.device)
             all_to_all(recv, send, group)
             return _fresh(recv.permute(1, 2, 0, 3, 4), (A, B, P * n_me, d))
-        sizes = [A * B * plan.q_count(j) * d for j in range(P)]
+        sizes = _splits(plan, plan.q_count, A, B, d)
         recv = POOL.take((sum(sizes),), send.dtype, send.device)
         all_to_all(recv, send, group, sizes, [A * B * n_me * d] * P)
         result = send.new_empty(A, B, plan.num_q_heads, d)
@@ -376,7 +381,7 @@ class HeadToSeq(torch.autograd.Function):
             recv = POOL.take(tuple(send.shape), g.dtype, g.device)
             all_to_all(recv, send, ctx.group)
         else:
-            sizes = [A * B * plan.q_count(j) * d for j in range(P)]
+            sizes = _splits(plan, plan.q_count, A, B, d)
             send = torch.cat([g[:, :, slice(*plan.q_range(j))].reshape(-1) for j in range(P)])
             recv = POOL.take((P, A, B, n_me, d), g.dtype, g.device)
             all_to_all(recv, send, ctx.group, [A * B * n_me * d] * P, sizes)
