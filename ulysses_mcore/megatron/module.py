@@ -161,31 +161,24 @@ class UlyssesAttention(MegatronModule):
     ) -> torch.Tensor:
         cu, lens, cu_kv, order = None, None, None, self.token_order
         if packed_seq_params is not None:
-            cu, lens, cu_kv, order = self._packed(packed_seq_params, query.shape[0])
+            cu, lens, cu_kv, order = self._packed(packed_seq_params)
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
         mask = None if mask_type in (AttnMaskType.causal, AttnMaskType.no_mask) or cu is not None else attention_mask
-        expected = (self.num_q_heads, self.num_kv_heads)
-        if self.check:  # once per input signature; cached verdicts after that
-            self.validator.check(
-                query, key, value, group=self.group, ring_group=self.ring_group,
-                degree=self.degree, ring=self.ring, layout="thd" if cu is not None else "sbhd",
-                backend=self.backend, causal=causal, softmax_scale=self.softmax_scale, attention_mask=mask,
-                attention_bias=attention_bias, dropout_p=self.dropout_p if self.training else 0.0,
-                token_order=order, overlap_chunks=1, cu_seqlens=cu, seqlens=lens, cu_seqlens_kv=cu_kv,
-                expected_heads=expected, qkv_format=getattr(packed_seq_params, "qkv_format", None))
-        out = ulysses_attention(
-            query, key, value,
-            group=self.group, causal=causal, layout="thd" if cu is not None else "sbhd", backend=self.backend,
-            softmax_scale=self.softmax_scale, attention_mask=mask, attention_bias=attention_bias,
-            dropout_p=self.dropout_p if self.training else 0.0, check=False,
-            token_order=order, ring_group=self.ring_group, cu_seqlens=cu, seqlens=lens,
-        )
+        call = dict(group=self.group, ring_group=self.ring_group, layout="thd" if cu is not None else "sbhd",
+                    backend=self.backend, causal=causal, softmax_scale=self.softmax_scale, attention_mask=mask,
+                    attention_bias=attention_bias, dropout_p=self.dropout_p if self.training else 0.0,
+                    token_order=order, cu_seqlens=cu, seqlens=lens)
+        if self.check:  # once per input signature (the module's own checks included); cached after that
+            self.validator.check(query, key, value, degree=self.degree, ring=self.ring, overlap_chunks=1,
+                                 cu_seqlens_kv=cu_kv, expected_heads=(self.num_q_heads, self.num_kv_heads),
+                                 qkv_format=getattr(packed_seq_params, "qkv_format", None), **call)
+        out = ulysses_attention(query, key, value, check=False, **call)
         if cu is not None:
             return out.reshape(out.shape[0], -1)  # [t, h*d]; Megatron adds the batch dim back
         return out.reshape(out.shape[0], out.shape[1], -1)
 
-    def _packed(self, psp, local_tokens: int):
+    def _packed(self, psp):
         """(cu_seqlens for the kernel, real lengths or None, cu_seqlens_kv, token order) of
         Megatron's ``PackedSeqParams``, from tensor shapes only (no device sync)."""
         real, padded = psp.cu_seqlens_q, getattr(psp, "cu_seqlens_q_padded", None)
