@@ -163,7 +163,10 @@ class NonFiniteError(FloatingPointError):
 
 def _grads(model):
     """The gradient storage: DDP's flat buffers when there are any, else each main_grad."""
-    bufs = [b.grad_data for b in getattr(model, "buffers", []) + getattr(model, "expert_parallel_buffers", [])
+    # DDP keeps its buffers in lists named buffers / expert_parallel_buffers (on a bare module,
+    # "buffers" is nn.Module's method: not a list, so it is skipped)
+    lists = [getattr(model, n, None) for n in ("buffers", "expert_parallel_buffers")]
+    bufs = [b.grad_data for lst in lists if isinstance(lst, list) for b in lst
             if getattr(b, "grad_data", None) is not None]
     return bufs or [p.main_grad for p in model.module.parameters() if getattr(p, "main_grad", None) is not None]
 
