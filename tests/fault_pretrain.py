@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch.distributed as dist  # noqa: E402
 
-from ulysses_mcore.megatron import pretrain, training  # noqa: E402
+from ulysses_mcore.megatron import checkpoint, pretrain, training  # noqa: E402
 
 FAULTS = [(k, int(it), int(r)) for k, rest in (item.split("@") for item in
           filter(None, os.environ.get("ULYSSES_MCORE_FAULT", "").split(","))) for it, r in [rest.split(":")]]
@@ -60,7 +60,7 @@ def _wrap_publish(fn):
 
 training.train_step = _wrap_train_step(training.train_step)
 training.forward_backward = _wrap_forward_backward(training.forward_backward)
-pretrain.publish_checkpoint = _wrap_publish(pretrain.publish_checkpoint)
+checkpoint.publish_checkpoint = _wrap_publish(checkpoint.publish_checkpoint)
 
 if __name__ == "__main__":
     sys.exit(pretrain.main())

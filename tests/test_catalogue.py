@@ -115,6 +115,7 @@ def run_ranks(n, args, cwd, timeout=120, script=SCRIPT):
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
+    """A good dataset, damaged copies of it, and a good checkpoint (iterations 2 and 4, one rank)."""
     from ulysses_mcore.megatron.data import read_documents, write_indexed_dataset, EMBEDDED_CORPUS
 
     d = tmp_path_factory.mktemp("assets")
@@ -128,67 +129,275 @@ def assets(tmp_path_factory):
         f.write(b"not an index" * 10)
     os.link(prefix + ".bin", d / "corrupt.bin")
     (d / "empty_ckpt").mkdir()
-    res = run_ranks(1, SMALL + ["--save", str(d / "ckpt"), "--data-path", prefix], d, timeout=300)
+    t0 = time.time()
+    res = run_ranks(1, SMALL + ["--save", str(d / "ckpt"), "--data-path", prefix, "--train-iters", "4",
+                                "--save-interval", "2", "--log-dir", str(d / "ckpt_log")], d, timeout=300)
     assert res[0][0] == 0, res[0][2][-2000:]
+    assert "successfully saved checkpoint from iteration       4 to" in res[0][1]
+    COUNT["save_s"] = time.time() - t0
     return d, prefix
 
 
-PRETRAIN = [
-    # (name, extra args, ranks, needle) -- {d}: the assets folder, {p}: a good dataset prefix
-    ("unknown flag", ["--no-such-flag"], 2, "unrecognized arguments: --no-such-flag"),
-    ("world size mismatch", ["--ulysses-degree", "3"], 2, "does not divide WORLD_SIZE(2)"),
-    ("heads vs degree", ["--ulysses-degree", "2", "--num-attention-heads", "1", "--num-query-groups", "1"], 2,
+# the flag checks: before torch.distributed starts, identical on every rank -> in-process
+FLAGS = [
+    ("unknown flag", ["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    ("world size mismatch", ["--ulysses-degree", "3"], "does not divide WORLD_SIZE(2)"),
+    ("heads vs degree", ["--ulysses-degree", "2", "--num-attention-heads", "1", "--num-query-groups", "1"],
      "--ulysses-degree 2 does not fit"),
-    ("sequence vs degree", ["--ulysses-degree", "2", "--seq-length", "66"], 2, "--seq-length 66"),
-    ("global batch", ["--global-batch-size", "3"], 2, "--global-batch-size 3"),
-    ("save interval without save", ["--save-interval", "1"], 2, "--save-interval needs --save"),
-    ("load not a directory", ["--load", "/nonexistent/ckpt"], 2, "--load /nonexistent/ckpt is not a directory"),
-    ("sequence parallel on CPU", ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2,
+    ("sequence vs degree", ["--ulysses-degree", "2", "--seq-length", "66"], "--seq-length 66"),
+    ("global batch", ["--global-batch-size", "3"], "--global-batch-size 3"),
+    ("save interval without save", ["--save-interval", "1"], "--save-interval needs --save"),
+    ("load not a directory", ["--load", "/nonexistent/ckpt"], "--load /nonexistent/ckpt is not a directory"),
+    ("sequence parallel on CPU", ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
      "--sequence-parallel needs Transformer Engine or apex"),
-    ("flash on CPU", ["--attention-backend", "flash"], 2, "--attention-backend flash needs a CUDA GPU"),
-    ("ring with flash", ["--context-parallel-size", "2", "--attention-backend", "flash"], 2,
+    ("flash on CPU", ["--attention-backend", "flash"], "--attention-backend flash needs a CUDA GPU"),
+    ("ring with flash", ["--context-parallel-size", "2", "--attention-backend", "flash"],
      "--context-parallel-size > 1 runs the ring with --attention-backend sdpa"),
     ("TE ring with packed documents", ["--context-parallel-size", "2", "--attention-backend", "te",
-                                       "--reset-attention-mask"], 2, "--reset-attention-mask with --context-parallel-size > 1"),
-    ("missing dataset", ["--data-path", "{d}/nothing"], 2, "nothing.bin is missing"),
-    ("truncated dataset", ["--data-path", "{d}/trunc"], 2, "trunc.bin is truncated"),
-    ("corrupt index", ["--data-path", "{d}/corrupt"], 2, "corrupt.idx is not a valid Megatron index"),
-    ("not a checkpoint", ["--data-path", "{p}", "--load", "{d}/empty_ckpt"], 2, "no latest_checkpointed_iteration.txt"),
-    ("incompatible checkpoint", ["--data-path", "{p}", "--load", "{d}/ckpt", "--hidden-size", "32"], 2,
-     "incompatible model: --hidden-size 64 (checkpoint) vs 32 (now)"),
+                                       "--reset-attention-mask"], "--reset-attention-mask with --context-parallel-size > 1"),
+    # ranges: each must be named before it reaches a modulo, an allocation or Megatron
+    ("micro batch 0", ["--micro-batch-size", "0"], "--micro-batch-size must be >= 1, got 0"),
+    ("negative sequence", ["--seq-length", "-8"], "--seq-length must be >= 1, got -8"),
+    ("zero sequence", ["--seq-length", "0"], "--seq-length must be >= 1, got 0"),
+    ("vocab multiple 0", ["--make-vocab-size-divisible-by", "0"], "--make-vocab-size-divisible-by must be >= 1, got 0"),
+    ("query groups 0", ["--num-query-groups", "0"], "--num-query-groups must be >= 1 (the number of KV heads), got 0"),
+    ("hidden 0", ["--hidden-size", "0"], "--hidden-size must be >= 1, got 0"),
+    ("layers 0", ["--num-layers", "0"], "--num-layers must be >= 1, got 0"),
+    ("eval interval -1", ["--eval-interval", "-1"], "--eval-interval must be >= 1, got -1"),
+    ("save interval 0", ["--save", "{d}/s", "--save-interval", "0"], "--save-interval must be >= 1, got 0"),
+    ("split abc", ["--split", "abc"], "--split abc: not a list of numbers"),
+    ("split no training", ["--split", "0,100,0"], "--split 0,100,0: the training weight is 0"),
+    ("split four parts", ["--split", "1,2,3,4"], "--split 1,2,3,4: give up to three non-negative weights"),
+    ("timeout 0", ["--distributed-timeout-minutes", "0"], "--distributed-timeout-minutes must be a finite number in (0, inf)"),
+    ("lr nan", ["--lr", "nan"], "--lr must be a finite number in [0, inf), got nan"),
+    ("lr inf", ["--lr", "inf"], "--lr must be a finite number in [0, inf), got inf"),
+    ("warmup -1", ["--lr-warmup-iters", "-1"], "--lr-warmup-iters must be >= 0 (0: no warmup), got -1"),
+    ("clip -1", ["--clip-grad", "-1"], "--clip-grad must be a finite number in [0, inf) (0: no clipping), got -1.0"),
+    ("beta2 1", ["--adam-beta2", "1"], "--adam-beta2 must be a finite number in [0, 1), got 1.0"),
+    ("seed -1", ["--seed", "-1"], "--seed must be >= 0, got -1"),
+    ("min lr above lr", ["--lr", "1e-4", "--min-lr", "1e-3"], "--min-lr 0.001 is above --lr 0.0001"),
+    ("positions below sequence", ["--position-embedding-type", "learned_absolute", "--max-position-embeddings", "32"],
+     "--max-position-embeddings 32 is below --seq-length 64"),
+    ("scheduler flags contradict", ["--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"],
+     "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler contradict"),
+    ("exit interval 0", ["--exit-interval", "0"], "--exit-interval must be >= 1, got 0"),
+    ("exit duration 0", ["--exit-duration-in-mins", "0"], "--exit-duration-in-mins must be a finite number in (0, inf)"),
+    # output paths: created and write-tested at start, not found at the first save
+    ("save under a file", ["--save", "{d}/afile/ckpt"], "--save {d}/afile/ckpt: cannot write there ({d}/afile is a file, "
+     "not a directory)"),
+    ("log dir under a file", ["--log-dir", "{d}/afile/logs"], "--log-dir {d}/afile/logs: cannot write there"),
 ]
 
 
-SPAWNED = {"unknown flag", "world size mismatch", "missing dataset", "truncated dataset", "corrupt index",
-           "not a checkpoint", "incompatible checkpoint"}  # the rest are flag checks: run in-process
-
-
-@pytest.mark.spawn
-@pytest.mark.parametrize("name,extra,n,needle", [c for c in PRETRAIN if c[0] in SPAWNED],
-                         ids=[c[0] for c in PRETRAIN if c[0] in SPAWNED])
-def test_pretrain(assets, name, extra, n, needle):
-    d, prefix = assets
-    args = SMALL + [a.format(d=d, p=prefix) for a in extra]
-    t0 = time.time()
-    res = run_ranks(n, args, d, timeout=120)
-    elapsed = time.time() - t0
-    for rank, (rc, _, err) in enumerate(res):
-        assert rc == 2, (rank, rc, err[-2000:])
-        assert needle in err, (rank, err[-2000:])
-    messages = {next(ln for ln in err.splitlines() if "error:" in ln) for _, _, err in res}
-    assert len(messages) == 1, messages  # the same message on every rank
-    assert elapsed < 120
-
-
-@pytest.mark.parametrize("name,extra,n,needle", [c for c in PRETRAIN if c[0] not in SPAWNED],
-                         ids=[c[0] for c in PRETRAIN if c[0] not in SPAWNED])
-def test_pretrain_flag_checks(name, extra, n, needle, monkeypatch, capsys):
+@pytest.mark.parametrize("name,extra,needle", FLAGS, ids=[c[0] for c in FLAGS])
+def test_pretrain_flag_checks(name, extra, needle, tmp_path, monkeypatch, capsys):
     """Flag checks run before torch.distributed starts, the same on every rank: in-process."""
     from tests.test_pretrain import run_main_in_process
 
-    rc, err = run_main_in_process(SMALL + extra, monkeypatch, capsys, world_size=n)
-    assert rc == 2 and needle in err, err[-2000:]
+    (tmp_path / "afile").write_text("x")
+    t0 = time.time()
+    rc, err = run_main_in_process(SMALL + [a.format(d=tmp_path) for a in extra], monkeypatch, capsys, world_size=2)
+    assert rc == 2 and needle.format(d=tmp_path) in err, err[-2000:]
+    assert time.time() - t0 < 10
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """A mounted tmpfs (root only): a small or read-only file system, for real ENOSPC / EROFS."""
+    mounted = []
+
+    def mount(name, opts):
+        d = tmp_path / name
+        d.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(d)], capture_output=True, text=True)
+        if r.returncode:
+            pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()[:100]}): needs root")
+        mounted.append(d)
+        return d
+
+    yield mount
+    for d in mounted:
+        subprocess.run(["umount", "-l", str(d)], capture_output=True)
+
+
+def test_save_on_a_read_only_file_system_is_named_at_start(tmpfs, monkeypatch, capsys):
+    from tests.test_pretrain import run_main_in_process
+
+    ro = tmpfs("ro", "ro,size=1m")
+    rc, err = run_main_in_process(SMALL + ["--save", str(ro / "ckpt")], monkeypatch, capsys, world_size=2)
+    assert rc == 2 and f"--save {ro}/ckpt: cannot write there (Read-only file system)" in err, err[-2000:]
+
+
+def _damaged(d, name, damage):
+    """A copy of the good checkpoint with one thing broken; returns its folder."""
+    import shutil
+
+    dst = d / "damaged" / name
+    shutil.copytree(d / "ckpt", dst, ignore=shutil.ignore_patterns("metrics.csv"))
+    it = dst / "iter_0000004"
+    shard = sorted(it.glob("*.distcp"))[0]
+    if damage == "latest iter_2":
+        (dst / "latest_checkpointed_iteration.txt").write_text("iter_2")
+    elif damage == "latest missing":
+        (dst / "latest_checkpointed_iteration.txt").write_text("9")
+    elif damage == "train_state empty":
+        (it / "train_state.pt").write_bytes(b"")
+    elif damage == "train_state garbage":
+        (it / "train_state.pt").write_bytes(os.urandom((it / "train_state.pt").stat().st_size))
+    elif damage == "shard truncated":
+        shard.write_bytes(shard.read_bytes()[:100])
+    elif damage == "shard corrupted":
+        raw = bytearray(shard.read_bytes())
+        raw[len(raw) // 2: len(raw) // 2 + 64] = os.urandom(64)
+        shard.write_bytes(bytes(raw))
+    elif damage == "metadata missing":
+        (it / ".metadata").unlink()
+    elif damage == "metadata garbage":
+        (it / ".metadata").write_bytes(os.urandom((it / ".metadata").stat().st_size))
+    elif damage == "no manifest, shard truncated":
+        (it / "ulysses_manifest.json").unlink()
+        shard.write_bytes(shard.read_bytes()[:100])
+    elif damage == "no manifest, metadata garbage":
+        (it / "ulysses_manifest.json").unlink()
+        (it / ".metadata").write_bytes(b"garbage" * 10)
+    elif damage == "interrupted re-save":  # what a kill between publish's two renames leaves
+        os.replace(it, str(it) + ".old")
+    else:
+        raise ValueError(damage)
+    return dst
+
+
+# (name, argv, expected rc, needles) -- {d}: assets, {p}: good data prefix, {k}: the case's checkpoint, {t}: tmpfs
+WORLD = [
+    ("missing dataset", ["--data-path", "{d}/nothing"], 2, ["nothing.bin is missing"]),
+    ("truncated dataset", ["--data-path", "{d}/trunc"], 2, ["trunc.bin is truncated"]),
+    ("corrupt index", ["--data-path", "{d}/corrupt"], 2, ["corrupt.idx is not a valid Megatron index"]),
+    ("not a checkpoint", ["--load", "{d}/empty_ckpt"], 2, ["no latest_checkpointed_iteration.txt"]),
+    ("incompatible checkpoint", ["--load", "{d}/ckpt", "--hidden-size", "32", "--train-iters", "4"], 2,
+     ["incompatible model: --hidden-size 64 (checkpoint) vs 32 (now)"]),
+    ("latest iter_2", ["--load", "{k}", "--train-iters", "4"], 2,
+     ["latest_checkpointed_iteration.txt holds 'iter_2', not an iteration number", "--load {k}"]),
+    ("latest missing", ["--load", "{k}", "--train-iters", "4"], 2, ["names iteration 9 but {k}/iter_0000009 is missing"]),
+    ("train_state empty", ["--load", "{k}", "--train-iters", "4"], 2, ["{k}/iter_0000004/train_state.pt: empty (0 bytes)"]),
+    ("train_state garbage", ["--load", "{k}", "--train-iters", "4"], 2, ["{k}/iter_0000004/train_state.pt: corrupted (CRC-32"]),
+    ("shard truncated", ["--load", "{k}", "--train-iters", "4"], 2, ["is damaged", ".distcp: truncated (100 of"]),
+    ("shard corrupted", ["--load", "{k}", "--train-iters", "4"], 2, ["is damaged", ".distcp: corrupted (CRC-32"]),
+    ("metadata missing", ["--load", "{k}", "--train-iters", "4"], 2, ["{k}/iter_0000004/.metadata: missing"]),
+    ("metadata garbage", ["--load", "{k}", "--train-iters", "4"], 2, ["{k}/iter_0000004/.metadata: corrupted (CRC-32"]),
+    ("no manifest, shard truncated", ["--load", "{k}", "--train-iters", "4"], 2,
+     [".distcp: truncated (100 of at least"]),
+    ("no manifest, metadata garbage", ["--load", "{k}", "--train-iters", "4"], 2,
+     ["{k}/iter_0000004/.metadata: unreadable ("]),
+    ("schedule changed", ["--load", "{d}/ckpt", "--train-iters", "6", "--lr", "1e-3"], 2,
+     ["the learning-rate schedule differs from the checkpoint's: --lr 0.003 (checkpoint) vs 0.001 (now); "
+      "--train-iters 4 (checkpoint) vs 6 (now)", "--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"]),
+    ("schedule overridden", ["--load", "{d}/ckpt", "--train-iters", "6", "--override-opt_param-scheduler",
+                             "--log-dir", "{d}/log_override"], 0, ["at iteration 4 (8 samples consumed)"]),
+    ("schedule from checkpoint", ["--load", "{d}/ckpt", "--train-iters", "6", "--use-checkpoint-opt_param-scheduler",
+                                  "--log-dir", "{d}/log_keep"], 0, ["at iteration 4 (8 samples consumed)"]),
+    ("interrupted re-save", ["--load", "{k}", "--train-iters", "4", "--log-dir", "{d}/log_resave"], 0,
+     ["a re-save of that iteration was interrupted: using the copy it replaced", "at iteration 4 (8 samples consumed)"]),
+    ("disk full", ["--save", "{t}/ckpt", "--save-interval", "1", "--train-iters", "3", "--log-dir", "{d}/log_full"], 2,
+     ["saving checkpoint at iteration 2 to {t}/ckpt: no space left on the device",
+      "The partial {t}/ckpt/iter_0000002.tmp was removed and iteration 1 stays the latest checkpoint"]),
+    ("resume after disk full", ["--load", "{t}/ckpt", "--train-iters", "3", "--log-dir", "{d}/log_full"], 0,
+     ["at iteration 1 (2 samples consumed)"]),
+    ("exit duration", ["--save", "{d}/ckpt_exit", "--exit-duration-in-mins", "1e-9", "--train-iters", "4",
+                       "--log-dir", "{d}/log_exit"], 0, ["exiting program after", "--exit-duration-in-mins 1e-09"]),
+]
+
+
+@pytest.fixture(scope="module")
+def world(assets, tmp_path_factory):
+    """The checkpoint catalogue, run by one 2-rank world (tests/pretrain_cases.py): {name: [rank results]}."""
+    import json
+
+    d, prefix = assets
+    tiny = d / "tiny"
+    tiny.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2600k", "tmpfs", str(tiny)], capture_output=True, text=True)
+    mounted = r.returncode == 0
+    cases = []
+    for name, argv, _, _ in WORLD:
+        if name in ("disk full", "resume after disk full") and not mounted:
+            continue
+        k = _damaged(d, name, name) if "{k}" in " ".join(argv) else None
+        argv = SMALL + ["--data-path", prefix] + [a.format(d=d, p=prefix, k=k, t=tiny) for a in argv]
+        if "--log-dir" not in argv:
+            argv += ["--log-dir", str(d / "log" / name.replace(" ", "_"))]
+        cases.append({"name": name, "argv": argv, "port": free_port()})
+    (d / "cases.json").write_text(json.dumps(cases))
+    out = d / "world_out"
+    out.mkdir()
+    try:
+        t0 = time.time()
+        res = run_ranks(2, [str(d / "cases.json"), str(out)], d, timeout=400,
+                        script=os.path.join(ROOT, "tests", "pretrain_cases.py"))
+        COUNT["world_s"] = time.time() - t0
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(tiny)], capture_output=True)
+    assert all(rc == 0 for rc, _, _ in res), [e[-2000:] for _, _, e in res]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    for res in ranks[0]:
+        print(f"catalogue world: {res['name']}: exit {res['rc']} after {res['seconds']:.1f} s")
+    return {c["name"]: [ranks[0][i], ranks[1][i]] for i, c in enumerate(cases)}, mounted, d, tiny
+
+
+@pytest.mark.spawn
+@pytest.mark.parametrize("name,argv,rc,needles", WORLD, ids=[c[0] for c in WORLD])
+def test_checkpoint_and_data_failures(world, name, argv, rc, needles):
+    """Each failure: the exit code, the message (path and cause), the same on both ranks, within seconds."""
+    results, mounted, d, tiny = world
+    if name not in results:
+        pytest.skip("cannot mount a tmpfs here (needs root): no real full disk")
+    k = d / "damaged" / name
+    for r, res in enumerate(results[name]):
+        text = res["stdout"] + res["stderr"]
+        assert res["rc"] == rc, (r, res["rc"], text[-3000:])
+        if rc == 0 and r > 0:
+            continue  # progress lines are rank 0's
+        for n in needles:
+            assert n.format(d=d, k=k, t=tiny) in text, (r, n, text[-3000:])
+        assert res["seconds"] < 60, res["seconds"]
+    if rc:
+        first = [next(ln for ln in res["stderr"].splitlines() if ln.startswith("error:")) for res in results[name]]
+        assert first[0] == first[1], first  # the same message on every rank
+        assert "a peer rank died" not in first[0]
+
+
+def _metrics(path):
+    import csv
+
+    with open(path) as f:
+        return [r for r in csv.DictReader(f) if r["kind"] == "train"]
+
+
+def test_schedule_flags_decide_which_schedule_goes_on(world):
+    """Extending 4 -> 6 iterations: --override-opt_param-scheduler decays over the new 6 (lr at 5
+    above --min-lr); --use-checkpoint-opt_param-scheduler keeps the old end (lr at 5 and 6 is --min-lr)."""
+    _, _, d, _ = world
+    over = {int(r["iteration"]): float(r["lr"]) for r in _metrics(d / "log_override" / "metrics.csv")}
+    keep = {int(r["iteration"]): float(r["lr"]) for r in _metrics(d / "log_keep" / "metrics.csv")}
+    assert sorted(over) == sorted(keep) == [5, 6]
+    assert keep[5] == keep[6] == pytest.approx(3e-4)
+    assert over[5] > 3e-4 * 1.5 and over[6] < over[5]
+
+
+def test_disk_full_keeps_the_previous_checkpoint(world):
+    results, mounted, d, tiny = world
+    if not mounted:
+        pytest.skip("cannot mount a tmpfs here (needs root): no real full disk")
+    rows = _metrics(d / "log_full" / "metrics.csv")
+    assert [int(r["iteration"]) for r in rows] == [1, 2, 3]  # one row per iteration across the resume
+
+
+def test_exit_duration_saves_the_iteration_it_stops_at(world):
+    _, _, d, _ = world
+    assert (d / "ckpt_exit" / "latest_checkpointed_iteration.txt").read_text() == "1"
+    assert [int(r["iteration"]) for r in _metrics(d / "log_exit" / "metrics.csv")] == [1]
 
 
 def test_catalogue_size():
-    assert len(API_CASES) + len(TOPO) + len(PRETRAIN) >= 25
+    COUNT["cases"] = len(API_CASES) + len(TOPO) + len(FLAGS) + len(WORLD) + 1  # + the read-only file system
+    assert COUNT["cases"] >= 80

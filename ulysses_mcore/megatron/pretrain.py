@@ -17,234 +17,35 @@ Checkpoints do not depend on the Ulysses degree (or TP/PP): resume with other de
 
 from __future__ import annotations
 
-import argparse
 import csv
 import math
 import os
 import resource
+import signal
 import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                allow_abbrev=False)
-    g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--ulysses-degree", type=int, default=1)
-    g.add_argument("--context-parallel-size", type=int, default=1)
-    g.add_argument("--sequence-parallel", action="store_true")
-    g.add_argument("--use-distributed-optimizer", action="store_true")
-    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
-                   help="collective timeout: a dead peer fails the others within it")
-    g = p.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, default=2)
-    g.add_argument("--hidden-size", type=int, default=64)
-    g.add_argument("--ffn-hidden-size", type=int, default=None)
-    g.add_argument("--num-attention-heads", type=int, default=4)
-    g.add_argument("--group-query-attention", action="store_true",
-                   help="grouped-query attention with --num-query-groups KV heads (1 if not given)")
-    g.add_argument("--num-query-groups", type=int, default=None,
-                   help="KV heads (implies --group-query-attention here; Megatron-LM needs both)")
-    g.add_argument("--seq-length", type=int, default=256)
-    g.add_argument("--max-position-embeddings", type=int, default=None)
-    g.add_argument("--position-embedding-type", choices=["rope", "learned_absolute"], default="rope")
-    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
-    g.add_argument("--swiglu", action="store_true",
-                   help="SwiGLU MLP (ffn default int(8h/3 / 64) * 64, as Megatron-LM)")
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
-                   help="separate output layer (default: tied to the input embedding, as Megatron-LM)")
-    g.add_argument("--disable-bias-linear", action="store_true", help="no biases in the linear layers")
-    g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--attention-dropout", type=float, default=0.0,
-                   help="default 0 here (Megatron-LM: 0.1); dropout masks depend on the layout")
-    g.add_argument("--hidden-dropout", type=float, default=0.0, help="default 0 here (Megatron-LM: 0.1)")
-    g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local",
-                   help="Megatron-Core's local spec (plain torch, CPU) or Transformer Engine's (GPU)")
-    g.add_argument("--use-mcore-models", action="store_true", help="accepted for Megatron-LM command lines; "
-                   "the model is always Megatron-Core's GPTModel")
-    g.add_argument("--attention-backend", choices=["auto", "sdpa", "flash", "te"], default="auto")
-    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
-    g.add_argument("--bf16", action="store_true")
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    g = p.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int, default=2)
-    g.add_argument("--global-batch-size", type=int, default=8)
-    g.add_argument("--train-iters", type=int, default=30)
-    g.add_argument("--lr", type=float, default=3e-3)
-    g.add_argument("--min-lr", type=float, default=3e-4)
-    g.add_argument("--lr-warmup-iters", type=int, default=3)
-    g.add_argument("--clip-grad", type=float, default=1.0)
-    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root"],
-                   default="linear")
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.999)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--on-nan", choices=["stop", "skip"], default="stop",
-                   help="NaN/Inf in loss or gradients: stop the run, or skip that update")
-    g = p.add_argument_group("data")
-    g.add_argument("--data-path", default=None, help="prefix of a .bin/.idx indexed dataset")
-    g.add_argument("--split", default="98,2,0")
-    g.add_argument("--tokenizer-type", choices=["ByteTokenizer"], default="ByteTokenizer")
-    g.add_argument("--reset-attention-mask", action="store_true",
-                   help="documents (split at EOD) do not attend to each other: each micro-batch is packed "
-                        "into one THD stream with cu_seqlens (no [s, s] mask is ever built)")
-    g.add_argument("--reset-position-ids", action="store_true",
-                   help="position ids restart after each EOD (learned absolute embeddings; RoPE is relative)")
-    g = p.add_argument_group("checkpointing and logging")
-    g.add_argument("--save", default=None)
-    g.add_argument("--load", default=None)
-    g.add_argument("--save-interval", type=int, default=None)
-    g.add_argument("--eval-interval", type=int, default=None)
-    g.add_argument("--eval-iters", type=int, default=2)
-    g.add_argument("--log-interval", type=int, default=1)
-    g.add_argument("--log-dir", default=None, help="CSV metrics go here (default: --save or runs/)")
-    return p
-
-
-def validate(args, world_size: int):
-    """Every check that needs no collective; raises ValueError naming the flag and the fix."""
-    from ulysses_mcore.topology import Topology
-
-    if args.group_query_attention and args.num_query_groups is None:
-        args.num_query_groups = 1  # Megatron-LM's default for --num-query-groups
-    topo = Topology(world_size, tp=args.tensor_model_parallel_size, ulysses=args.ulysses_degree,
-                    cp=args.context_parallel_size, pp=args.pipeline_model_parallel_size)
-    topo.check_model(args.num_attention_heads, args.num_query_groups, args.seq_length)
-    if args.context_parallel_size > 1 and args.attention_backend == "flash":
-        raise ValueError("--context-parallel-size > 1 runs the ring with --attention-backend sdpa (log-sum-exp "
-                         "ring) or te (Transformer Engine's p2p ring), not flash")
-    if args.context_parallel_size > 1 and args.attention_backend == "te" and args.reset_attention_mask:
-        raise ValueError("--reset-attention-mask with --context-parallel-size > 1 needs --attention-backend sdpa "
-                         "(Transformer Engine's ring takes unpacked causal input only)")
-    if args.num_layers % args.pipeline_model_parallel_size:
-        raise ValueError(f"--num-layers {args.num_layers} must be divisible by "
-                         f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}")
-    if args.hidden_size % args.num_attention_heads:
-        raise ValueError(f"--hidden-size {args.hidden_size} must be divisible by "
-                         f"--num-attention-heads {args.num_attention_heads}")
-    if args.global_batch_size % (args.micro_batch_size * topo.dp):
-        raise ValueError(f"--global-batch-size {args.global_batch_size} must be a multiple of --micro-batch-size "
-                         f"{args.micro_batch_size} x data-parallel size {topo.dp} "
-                         f"(world {world_size} / (tp x ulysses x cp x pp))")
-    for flag in ("train_iters", "micro_batch_size", "global_batch_size", "log_interval"):
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    if args.eval_iters < 0:
-        raise ValueError(f"--eval-iters must be >= 0 (0: no evaluation), got {args.eval_iters}")
-    for flag in ("attention_dropout", "hidden_dropout"):
-        if not 0.0 <= getattr(args, flag) < 1.0:
-            raise ValueError(f"--{flag.replace('_', '-')} must be in [0, 1), got {getattr(args, flag)}")
-    if args.init_method_std <= 0:
-        raise ValueError(f"--init-method-std must be > 0, got {args.init_method_std}")
-    if args.transformer_impl == "transformer_engine" and not torch.cuda.is_available():
-        raise ValueError("--transformer-impl transformer_engine needs a CUDA GPU with Transformer Engine; "
-                         "use --transformer-impl local on CPU")
-    if args.save_interval is not None and not args.save:
-        raise ValueError("--save-interval needs --save DIR")
-    if args.load and not os.path.isdir(args.load):
-        raise ValueError(f"--load {args.load} is not a directory")
-    if args.sequence_parallel and args.tensor_model_parallel_size == 1:
-        raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
-    if args.sequence_parallel and not torch.cuda.is_available():
-        raise ValueError("--sequence-parallel needs Transformer Engine or apex norms (GPU); on CPU drop the flag")
-    if args.attention_backend in ("flash", "te") and not torch.cuda.is_available():
-        raise ValueError(f"--attention-backend {args.attention_backend} needs a CUDA GPU; use sdpa on CPU")
-    if args.lr_warmup_iters >= args.train_iters and args.train_iters > 1:
-        raise ValueError(f"--lr-warmup-iters {args.lr_warmup_iters} must be < --train-iters {args.train_iters}")
-    return topo
-
-
-# ------------------------------------------------------------------------ checkpoints
-def _latest_file(d):
-    return os.path.join(d, "latest_checkpointed_iteration.txt")
-
-
-MODEL_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-               "position_embedding_type", "make_vocab_size_divisible_by", "tokenizer_type", "normalization",
-               "swiglu", "untie_embeddings_and_output_weights", "disable_bias_linear")
-
-
-def save_checkpoint(path, iteration, model, optimizer, scheduler, consumed_samples, args):
-    """Atomic: written into iter_N.tmp, renamed to iter_N when every rank is done, then
-    ``latest`` is replaced atomically -- a save killed half-way leaves the previous
-    checkpoint complete and marked latest."""
-    from megatron.core import dist_checkpointing
-
-    final = os.path.join(path, f"iter_{iteration:07d}")
-    tmp = final + ".tmp"
-    if dist.get_rank() == 0:
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    dist.barrier()
-    model_sd = model.module.sharded_state_dict()
-    state = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd)}
-    dist_checkpointing.save(state, tmp)
-    if dist.get_rank() == 0:
-        torch.save({"iteration": iteration, "consumed_samples": consumed_samples,
-                    "scheduler": scheduler.state_dict(), "args": vars(args)}, os.path.join(tmp, "train_state.pt"))
-    publish_checkpoint(path, tmp, final, iteration)
-
-
-def publish_checkpoint(path, tmp, final, iteration):
-    """Every rank's shards are in ``tmp``: rename it to ``final`` and mark it latest (atomically)."""
-    dist.barrier()
-    if dist.get_rank() == 0:
-        import shutil
-
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        latest = _latest_file(path) + ".tmp"
-        with open(latest, "w") as f:
-            f.write(str(iteration))
-        os.replace(latest, _latest_file(path))
-    dist.barrier()
-
-
-def load_checkpoint(path, model, optimizer, scheduler, args):
-    from megatron.core import dist_checkpointing
-
-    if not os.path.exists(_latest_file(path)):
-        raise ValueError(f"--load {path}: no {os.path.basename(_latest_file(path))}; is it a checkpoint directory?")
-    with open(_latest_file(path)) as f:
-        iteration = int(f.read().strip())
-    ckpt = os.path.join(path, f"iter_{iteration:07d}")
-    if not os.path.exists(os.path.join(ckpt, "train_state.pt")):
-        raise ValueError(f"--load {path}: latest names iteration {iteration} but {ckpt} is incomplete or missing")
-    extra = torch.load(os.path.join(ckpt, "train_state.pt"), weights_only=False)
-    saved = extra.get("args", {})
-    diff = [f"--{k.replace('_', '-')} {saved.get(k)} (checkpoint) vs {getattr(args, k)} (now)"
-            for k in MODEL_FLAGS if k in saved and saved.get(k) != getattr(args, k)]
-    if diff:
-        raise ValueError(f"--load {path}: the checkpoint is from an incompatible model: " + "; ".join(diff)
-                         + ". Use the checkpoint's model flags (parallel degrees may change freely)")
-    model_sd = model.module.sharded_state_dict()
-    opt_sd = optimizer.sharded_state_dict(model_sd, is_loading=True)  # creates the Adam moments to fill
-    state = dist_checkpointing.load({"model": model_sd, "optimizer": opt_sd}, ckpt)
-    model.module.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(extra["scheduler"])
-    return extra["iteration"], extra["consumed_samples"]
+from .arguments import build_parser, check_output_dirs, validate  # noqa: F401 - build_parser: the public parser
+from .checkpoint import inspect_checkpoint, load_checkpoint, save_checkpoint, trim_metrics
 
 
 # ------------------------------------------------------------------------ main
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    _START["time"] = time.time()
+    args = build_parser(__doc__).parse_args(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         topo = validate(args, world_size)
+        check_output_dirs(args, int(os.environ.get("RANK", "0")))
     except ValueError as e:  # every rank runs the same checks: every rank exits here, no collective yet
         print(f"error: {e}", file=sys.stderr)
         return 2
+    _SIGNAL["received"] = False
+    if args.exit_signal_handler:  # Megatron-LM's: note SIGTERM, act on it at the end of the iteration
+        signal.signal(signal.SIGTERM, lambda signum, frame: _SIGNAL.update(received=True))
 
     from ulysses_mcore.megatron import cpu_compat
 
@@ -289,6 +90,8 @@ def main(argv=None):
 
 
 _PROGRESS = {"iteration": 0}
+_START = {"time": time.time()}
+_SIGNAL = {"received": False}
 
 # what torch.distributed's backends say when a peer dies, a connection breaks or a wait times out
 _COLLECTIVE_SIGNS = ("connection closed by peer", "connection reset by peer", "broken pipe", "timed out",
@@ -322,6 +125,8 @@ def train(args, topo, use_cuda):
     torch.manual_seed(args.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
     rank = dist.get_rank()
+    if args.load:  # every check of the checkpoint before any work: the same error on every rank
+        ckpt, extra, note = inspect_checkpoint(args)
 
     # ---- data
     tok = D.ByteTokenizer()
@@ -345,9 +150,6 @@ def train(args, topo, use_cuda):
     # ---- model, optimizer, scheduler
     # padded independently of tp (unlike Megatron-LM), so checkpoints reshard across tp
     vocab = int(math.ceil(tok.vocab_size / args.make_vocab_size_divisible_by) * args.make_vocab_size_divisible_by)
-    if vocab % topo.tp:
-        raise ValueError(f"padded vocab {vocab} is not divisible by --tensor-model-parallel-size {topo.tp}: "
-                         "raise --make-vocab-size-divisible-by to a multiple of it")
     te = args.transformer_impl == "transformer_engine"
     backend = args.attention_backend if args.attention_backend != "auto" else ("te" if te else "sdpa")
     ffn = args.ffn_hidden_size or (int((4 * args.hidden_size * 2 / 3) / 64) * 64 if args.swiglu
@@ -382,11 +184,18 @@ def train(args, topo, use_cuda):
         lr_warmup_steps=args.lr_warmup_iters * G, lr_decay_steps=args.train_iters * G, lr_decay_style=args.lr_decay_style,
         start_wd=args.weight_decay, end_wd=args.weight_decay, wd_incr_steps=args.train_iters * G,
         wd_incr_style="constant",
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
     )
     iteration, consumed = 0, 0
     if args.load:
-        iteration, consumed = load_checkpoint(args.load, model, optimizer, scheduler, args)
+        t_load = time.time()
         if rank == 0:
+            print(f"loading checkpoint from {args.load} at iteration {extra['iteration']}{note}", flush=True)
+        iteration, consumed = load_checkpoint(ckpt, extra, model, optimizer, scheduler)
+        if rank == 0:
+            print(f"  successfully loaded checkpoint from {args.load} at iteration {iteration} "
+                  f"({time.time() - t_load:.2f} s)", flush=True)
             print(f"[ulysses-mcore] resumed from {args.load} at iteration {iteration} "
                   f"({consumed} samples consumed)", flush=True)
 
@@ -397,8 +206,14 @@ def train(args, topo, use_cuda):
     writer = None
     if is_logger:
         os.makedirs(log_dir, exist_ok=True)
-        fresh = not os.path.exists(os.path.join(log_dir, "metrics.csv")) or not args.load
-        fh = open(os.path.join(log_dir, "metrics.csv"), "w" if fresh else "a", newline="")
+        metrics = os.path.join(log_dir, "metrics.csv")
+        fresh = not os.path.exists(metrics) or not args.load
+        if not fresh:  # resumed: the iterations after the checkpoint are trained again, keep one row each
+            dropped = trim_metrics(metrics, iteration)
+            if dropped:
+                print(f"[ulysses-mcore] {metrics}: dropped {dropped} rows after iteration {iteration} "
+                      "(they are trained again)", flush=True)
+        fh = open(metrics, "w" if fresh else "a", newline="")
         writer = csv.writer(fh)
         if fresh:
             writer.writerow(["iteration", "consumed_samples", "lm_loss", "lr", "grad_norm", "ms_per_iter",
@@ -421,6 +236,7 @@ def train(args, topo, use_cuda):
         print(f"[ulysses-mcore] --reset-attention-mask: each micro-batch is one packed THD stream of "
               f"{args.micro_batch_size} x {seq} tokens split at EOD (cu_seqlens, no [s, s] mask); "
               f"{n_docs} documents in rank 0's first {len(first)} micro-batches", flush=True)
+    saved = True  # nothing trained since the checkpoint (or the start) yet
     while iteration < args.train_iters:
         t0 = time.perf_counter()
         mbs = shard(sampler.microbatches(consumed))
@@ -454,11 +270,41 @@ def train(args, topo, use_cuda):
                       f"lm loss PPL: {math.exp(min(val, 50)):.6E} |", flush=True)
                 writer.writerow([iteration, consumed, f"{val:.8e}", "", "", "", "", "", "valid"])
                 fh.flush()
+        saved = False
         if args.save and args.save_interval and iteration % args.save_interval == 0:
             save_checkpoint(args.save, iteration, model, optimizer, scheduler, consumed, args)
-    if args.save and not (args.save_interval and iteration % args.save_interval == 0):
+            saved = True
+        reason = _exit_reason(args, iteration)
+        if reason:
+            if args.save and not saved:
+                save_checkpoint(args.save, iteration, model, optimizer, scheduler, consumed, args)
+            if rank == 0:
+                print(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] exiting program {reason}", flush=True)
+            return 0
+    if args.save and not saved:  # the last iteration (nothing is saved again when nothing was trained)
         save_checkpoint(args.save, iteration, model, optimizer, scheduler, consumed, args)
     return 0
+
+
+def _exit_reason(args, iteration):
+    """Megatron-LM's exits, agreed by every rank: SIGTERM seen by any rank (--exit-signal-handler),
+    time up on any rank (--exit-duration-in-mins): one all-reduce per iteration, only with those
+    flags; --exit-interval needs none."""
+    if args.exit_signal_handler or args.exit_duration_in_mins:
+        minutes = (time.time() - _START["time"]) / 60.0
+        flags = torch.tensor([float(_SIGNAL["received"]),
+                              float(bool(args.exit_duration_in_mins) and minutes > args.exit_duration_in_mins)])
+        dev = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        flags = flags.to(dev)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        signalled, timed_out = flags.tolist()
+        if signalled:
+            return "after receiving SIGTERM."
+        if timed_out:
+            return f"after {minutes:.2f} minutes (--exit-duration-in-mins {args.exit_duration_in_mins:g})"
+    if args.exit_interval and iteration % args.exit_interval == 0:
+        return f"at iteration {iteration} (--exit-interval {args.exit_interval})"
+    return None
 
 
 if __name__ == "__main__":

@@ -1,0 +1,418 @@
+"""Checkpoints of the trainer: Megatron-Core's dist_checkpointing, saved atomically, checked on load.
+
+Layout (Megatron-LM's): ``DIR/iter_0000042/`` (dist_checkpointing's torch_dist files, plus
+``train_state.pt``: iteration, consumed samples, scheduler, flags) and
+``DIR/latest_checkpointed_iteration.txt``.  Added here: ``ulysses_manifest.json`` in each
+checkpoint, every file's size and CRC-32, written at save time (the ranks share the hashing).
+
+* Save: written into ``iter_N.tmp``; every rank's outcome is gathered, so a failure on one
+  rank (a full disk, say) is the same error on every rank, the partial ``.tmp`` is removed and
+  the previous checkpoint stays published.  Publishing never deletes the published copy before
+  its replacement is in place: a re-saved ``iter_N`` is renamed ``iter_N.old`` first, and the
+  loader falls back to it if a kill lands between the two renames.
+* Load: before any tensor is read, every rank checks the same things -- the ``latest`` file,
+  the manifest (missing, truncated or corrupted files: the ranks split the reading and gather
+  what they found), ``train_state.pt``, the model flags, and the learning-rate schedule
+  against the command line (Megatron-LM's ``--override-opt_param-scheduler`` /
+  ``--use-checkpoint-opt_param-scheduler``) -- so every rank raises the same
+  :class:`CheckpointError`, naming the path and the cause, or none does.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import time
+import zlib
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+MANIFEST = "ulysses_manifest.json"
+TRAIN_STATE = "train_state.pt"
+MODEL_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+               "position_embedding_type", "make_vocab_size_divisible_by", "tokenizer_type", "normalization",
+               "swiglu", "untie_embeddings_and_output_weights", "disable_bias_linear")
+# scheduler state key -> the flags it is computed from
+SCHEDULE_FLAGS = {"max_lr": ("lr",), "min_lr": ("min_lr",), "lr_warmup_steps": ("lr_warmup_iters", "global_batch_size"),
+                  "lr_decay_steps": ("train_iters", "global_batch_size"), "lr_decay_style": ("lr_decay_style",),
+                  "start_wd": ("weight_decay",), "end_wd": ("weight_decay",),
+                  "wd_incr_steps": ("train_iters", "global_batch_size"), "wd_incr_style": ()}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be saved or loaded; raised alike on every rank."""
+
+
+def latest_file(d: str) -> str:
+    return os.path.join(d, "latest_checkpointed_iteration.txt")
+
+
+def iter_dir(d: str, iteration: int) -> str:
+    return os.path.join(d, f"iter_{iteration:07d}")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:240]}" if text else type(e).__name__
+
+
+def _gather(obj) -> list:
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+# ------------------------------------------------------------------------ schedule
+def schedule_from_flags(args) -> dict:
+    """The scheduler state this command line builds (OptimizerParamScheduler's state_dict keys)."""
+    G = args.global_batch_size
+    return {"max_lr": args.lr, "min_lr": args.min_lr, "lr_warmup_steps": args.lr_warmup_iters * G,
+            "lr_decay_steps": args.train_iters * G, "lr_decay_style": args.lr_decay_style,
+            "start_wd": args.weight_decay, "end_wd": args.weight_decay, "wd_incr_steps": args.train_iters * G,
+            "wd_incr_style": "constant"}
+
+
+# ------------------------------------------------------------------------ save
+def _is_no_space(e: BaseException) -> bool:
+    seen, stack = set(), [e]
+    while stack:
+        x = stack.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            return True
+        if "no space left" in str(x).lower() or "disk quota" in str(x).lower():
+            return True
+        stack += [x.__cause__, x.__context__]
+        failures = getattr(x, "failures", None)  # torch.distributed.checkpoint's CheckpointException
+        if isinstance(failures, dict):
+            stack += [v[0] if isinstance(v, tuple) else v for v in failures.values()]
+    return False
+
+
+def _free_bytes(path: str) -> Optional[int]:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def _outcome(err: Optional[BaseException], path: str) -> Optional[dict]:
+    if err is None:
+        return None
+    free = _free_bytes(path)
+    # torch's zip writer reports a short write as "unexpected pos ..." without an errno: a full disk
+    # is then recognised by the free space left when it failed
+    nospace = _is_no_space(err) or (free is not None and free < (4 << 20))
+    failures = getattr(err, "failures", None)  # torch's CheckpointException: {rank: the exception}
+    if isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))
+        inner = inner[0] if isinstance(inner, tuple) else inner
+        if isinstance(inner, BaseException):
+            err = inner
+    return {"rank": dist.get_rank(), "what": _first_line(err), "nospace": nospace, "free": free}
+
+
+def _hash_share(root: str, names: List[str]) -> dict:
+    """Size and CRC-32 of this rank's share of ``names`` (every world_size-th file)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    return {name: {"size": os.path.getsize(os.path.join(root, name)), "crc32": _crc32(os.path.join(root, name))}
+            for i, name in enumerate(names) if i % world == rank}
+
+
+def _crc32(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(8 << 20)
+            if not block:
+                return crc
+            crc = zlib.crc32(block, crc)
+
+
+def _list_files(root: str) -> List[str]:
+    names = []
+    for d, _, files in os.walk(root):
+        for f in files:
+            rel = os.path.relpath(os.path.join(d, f), root)
+            if rel != MANIFEST:
+                names.append(rel)
+    return sorted(names)
+
+
+def save_checkpoint(path, iteration, model, optimizer, scheduler, consumed_samples, args):
+    """Save iteration ``iteration`` under ``path`` (every rank calls it).  Prints Megatron-LM's
+    ``saving checkpoint at iteration`` / ``successfully saved checkpoint`` lines on rank 0."""
+    from megatron.core import dist_checkpointing
+
+    rank = dist.get_rank()
+    t0 = time.time()
+    if rank == 0:
+        print(f"saving checkpoint at iteration {iteration:7d} to {path} in torch_dist format", flush=True)
+    final = iter_dir(path, iteration)
+    tmp = final + ".tmp"
+    err = None
+    if rank == 0:
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        except OSError as e:
+            err = e
+    _raise_if_failed(_gather(_outcome(err, path)), path, tmp, iteration)
+    try:
+        model_sd = model.module.sharded_state_dict()
+        state = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd)}
+        dist_checkpointing.save(state, tmp)
+        if rank == 0:
+            torch.save({"iteration": iteration, "consumed_samples": consumed_samples,
+                        "scheduler": scheduler.state_dict(), "args": vars(args)}, os.path.join(tmp, TRAIN_STATE))
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - gathered below: the same error on every rank (torch's
+        # CheckpointException derives from BaseException)
+        from ulysses_mcore.megatron.pretrain import _is_collective_failure
+
+        if _is_collective_failure(e):
+            raise
+        err = e
+    _raise_if_failed(_gather(_outcome(err, path)), path, tmp, iteration)
+    try:  # the manifest: every file's size and CRC-32, the ranks sharing the reading
+        share = _hash_share(tmp, _list_files(tmp))
+    except OSError as e:
+        share, err = {}, e
+    shares = _gather((share, _outcome(err, path)))
+    if rank == 0 and not any(o for _, o in shares):
+        try:
+            files = {k: v for s, _ in shares for k, v in s.items()}
+            with open(os.path.join(tmp, MANIFEST), "w") as f:
+                json.dump({"format": 1, "iteration": iteration, "files": files}, f, indent=0, sort_keys=True)
+        except OSError as e:
+            err = e
+    _raise_if_failed([o for _, o in shares] + _gather(_outcome(err, path)), path, tmp, iteration)
+    publish_checkpoint(path, tmp, final, iteration)
+    if rank == 0:
+        print(f"successfully saved checkpoint from iteration {iteration:7d} to {path} ({time.time() - t0:.2f} s)",
+              flush=True)
+
+
+def _previous(path: str) -> str:
+    try:
+        with open(latest_file(path)) as f:
+            return f"iteration {int(f.read().strip())} stays the latest checkpoint"
+    except (OSError, ValueError):
+        return "no earlier checkpoint is published"
+
+
+def _raise_if_failed(outcomes, path, tmp, iteration):
+    """Every rank has the same ``outcomes``: remove the partial save and raise the same error."""
+    bad = [o for o in outcomes if o]
+    if not bad:
+        return
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    first = bad[0]
+    ranks = ", ".join(str(o["rank"]) for o in bad)
+    kept = _previous(path)
+    if any(o["nospace"] for o in bad):
+        free = [o["free"] for o in bad if o["free"] is not None]
+        raise CheckpointError(
+            f"saving checkpoint at iteration {iteration} to {path}: no space left on the device "
+            f"({min(free) if free else '?'} bytes free; rank(s) {ranks}: {first['what']}). The partial {tmp} was "
+            f"removed and {kept}. Free space or point --save at a larger disk, then resume with --load {path}")
+    raise CheckpointError(f"saving checkpoint at iteration {iteration} to {path} failed on rank(s) {ranks}: "
+                          f"{first['what']}. The partial {tmp} was removed and {kept}")
+
+
+def publish_checkpoint(path, tmp, final, iteration):
+    """Every rank's shards are in ``tmp``: put it in place as ``final`` and mark it latest.
+    A ``final`` that exists (a re-run iteration) is renamed aside first and removed last, so
+    a published copy exists at every instant."""
+    dist.barrier()
+    if dist.get_rank() == 0:
+        old = final + ".old"
+        if os.path.exists(final):
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+        os.replace(tmp, final)
+        latest = latest_file(path) + ".tmp"
+        with open(latest, "w") as f:
+            f.write(str(iteration))
+        os.replace(latest, latest_file(path))
+        shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+
+
+# ------------------------------------------------------------------------ load
+def _read_latest(load: str) -> int:
+    lf = latest_file(load)
+    if not os.path.exists(lf):
+        raise CheckpointError(f"--load {load}: no {os.path.basename(lf)}; is it a checkpoint directory? "
+                              "(Megatron-LM's layout: iter_NNNNNNN/ folders and that file)")
+    with open(lf, "rb") as f:
+        raw = f.read(200)
+    text = raw.decode("utf-8", "replace").strip()
+    if not text.isdigit():
+        shown = repr(text[:40]) if text else "nothing"
+        raise CheckpointError(f"--load {load}: {lf} holds {shown}, not an iteration number; write the iteration "
+                              f"of a complete iter_NNNNNNN folder into it (for iter_0000002: 2)")
+    return int(text)
+
+
+def _check_files(ckpt: str) -> List[str]:
+    """This rank's share of the damage in ``ckpt`` (all of it where there is no manifest)."""
+    mpath = os.path.join(ckpt, MANIFEST)
+    if not os.path.exists(mpath):
+        return _check_without_manifest(ckpt) if dist.get_rank() == 0 else []
+    try:
+        with open(mpath) as f:
+            files = json.load(f)["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return [f"{mpath}: unreadable ({_first_line(e)})"] if dist.get_rank() == 0 else []
+    names = sorted(files)
+    problems, present = [], []
+    for i, name in enumerate(names):
+        if i % dist.get_world_size() != dist.get_rank():
+            continue
+        p, want = os.path.join(ckpt, name), files[name]
+        if not os.path.exists(p):
+            problems.append(f"{p}: missing")
+        elif os.path.getsize(p) != want["size"]:
+            size = os.path.getsize(p)
+            problems.append(f"{p}: " + ("empty (0 bytes)" if size == 0 else
+                                        f"truncated ({size} of {want['size']} bytes)" if size < want["size"] else
+                                        f"{size} bytes, saved as {want['size']}"))
+        else:
+            present.append(name)
+    for name in present:
+        crc = _crc32(os.path.join(ckpt, name))
+        if crc != files[name]["crc32"]:
+            problems.append(f"{os.path.join(ckpt, name)}: corrupted (CRC-32 {crc:08x}, saved as "
+                            f"{files[name]['crc32']:08x})")
+    return problems
+
+
+def _check_without_manifest(ckpt: str) -> List[str]:
+    """A checkpoint written without a manifest: the torch_dist metadata and the sizes it implies."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = os.path.join(ckpt, ".metadata")
+    if not os.path.exists(meta):
+        return [f"{meta}: missing (not a complete torch_dist checkpoint)"]
+    try:
+        md = FileSystemReader(ckpt).read_metadata()
+    except Exception as e:  # noqa: BLE001 - any failure to parse is damage
+        return [f"{meta}: unreadable ({_first_line(e)})"]
+    need = {}
+    for info in (md.storage_data or {}).values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    problems = []
+    for name, size in sorted(need.items()):
+        p = os.path.join(ckpt, name)
+        if not os.path.exists(p):
+            problems.append(f"{p}: missing")
+        elif os.path.getsize(p) < size:
+            problems.append(f"{p}: truncated ({os.path.getsize(p)} of at least {size} bytes)")
+    return problems
+
+
+def inspect_checkpoint(args):
+    """Every check before any tensor is read: (checkpoint folder, train state).  Collective
+    (the ranks share the file checks); raises the same :class:`CheckpointError` on every rank."""
+    load = args.load
+    iteration = _read_latest(load)
+    ckpt = iter_dir(load, iteration)
+    note = ""
+    if not os.path.isdir(ckpt) and os.path.isdir(ckpt + ".old"):
+        ckpt, note = ckpt + ".old", " (a re-save of that iteration was interrupted: using the copy it replaced)"
+    if not os.path.isdir(ckpt):
+        raise CheckpointError(f"--load {load}: {latest_file(load)} names iteration {iteration} but {ckpt} is missing; "
+                              "write the iteration of a complete iter_NNNNNNN folder into it")
+    problems = sorted(p for share in _gather(_check_files(ckpt)) for p in share)
+    if problems:
+        more = f" and {len(problems) - 4} more" if len(problems) > 4 else ""
+        raise CheckpointError(f"--load {load}: checkpoint {ckpt} is damaged: " + "; ".join(problems[:4]) + more
+                              + f". Resume from another checkpoint (its iteration in {latest_file(load)}) or "
+                              "save this one again")
+    ts = os.path.join(ckpt, TRAIN_STATE)
+    if not os.path.exists(ts):
+        raise CheckpointError(f"--load {load}: {ts} is missing: {ckpt} is incomplete")
+    if os.path.getsize(ts) == 0:
+        raise CheckpointError(f"--load {load}: {ts} is empty (0 bytes): {ckpt} is damaged")
+    try:
+        extra = torch.load(ts, weights_only=False, map_location="cpu")
+        if not isinstance(extra, dict) or "iteration" not in extra or "scheduler" not in extra:
+            raise ValueError("not a train state (no iteration / scheduler)")
+    except Exception as e:  # noqa: BLE001 - whatever unpickling says, the file is bad
+        raise CheckpointError(f"--load {load}: {ts} is not a readable train state ({_first_line(e)}): "
+                              f"{ckpt} is damaged") from None
+    saved = extra.get("args", {})
+    diff = [f"{_flag(k)} {saved.get(k)} (checkpoint) vs {getattr(args, k)} (now)"
+            for k in MODEL_FLAGS if k in saved and saved.get(k) != getattr(args, k)]
+    if diff:
+        raise CheckpointError(f"--load {load}: the checkpoint is from an incompatible model: " + "; ".join(diff)
+                              + ". Use the checkpoint's model flags (parallel degrees may change freely)")
+    _check_schedule(load, extra["scheduler"], saved, args)
+    return ckpt, extra, note
+
+
+def _check_schedule(load, sched, saved, args):
+    if args.override_opt_param_scheduler or args.use_checkpoint_opt_param_scheduler:
+        return
+    now = schedule_from_flags(args)
+    keys = [k for k in now if k in sched and sched[k] != now[k]]
+    if not keys:
+        return
+    flags = []
+    for k in keys:
+        for f in SCHEDULE_FLAGS[k]:
+            if f in saved and saved[f] != getattr(args, f) and f not in flags:
+                flags.append(f)
+    what = "; ".join(f"{_flag(f)} {saved[f]} (checkpoint) vs {getattr(args, f)} (now)" for f in flags) or \
+        "; ".join(f"{k} {sched[k]} (checkpoint) vs {now[k]} (now)" for k in keys)
+    raise CheckpointError(f"--load {load}: the learning-rate schedule differs from the checkpoint's: {what}. Add "
+                          "--override-opt_param-scheduler to go on with this command line's schedule, or "
+                          "--use-checkpoint-opt_param-scheduler to keep the checkpoint's (Megatron-LM's flags)")
+
+
+def load_checkpoint(ckpt, extra, model, optimizer, scheduler):
+    """Load an inspected checkpoint into the model, optimizer and scheduler: (iteration, consumed samples)."""
+    from megatron.core import dist_checkpointing
+
+    model_sd = model.module.sharded_state_dict()
+    opt_sd = optimizer.sharded_state_dict(model_sd, is_loading=True)  # creates the Adam moments to fill
+    state = dist_checkpointing.load({"model": model_sd, "optimizer": opt_sd}, ckpt)
+    model.module.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(extra["scheduler"])
+    return extra["iteration"], extra["consumed_samples"]
+
+
+def trim_metrics(csv_path: str, iteration: int) -> int:
+    """Drop the rows after ``iteration`` (they are about to be trained again): one row per
+    iteration across resumes.  Atomic; returns the number of rows dropped."""
+    import csv
+
+    if not os.path.exists(csv_path):
+        return 0
+    with open(csv_path, newline="") as f:
+        rows = list(csv.reader(f))
+    if not rows:
+        return 0
+    keep = [rows[0]] + [r for r in rows[1:] if r and r[0].isdigit() and int(r[0]) <= iteration]
+    dropped = len(rows) - len(keep)
+    if dropped:
+        tmp = csv_path + ".tmp"
+        with open(tmp, "w", newline="") as f:
+            csv.writer(f).writerows(keep)
+        os.replace(tmp, csv_path)
+    return dropped
