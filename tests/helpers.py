@@ -208,19 +208,29 @@ def reference_attention(
     return out.permute(2, 0, 1, 3) if layout == "sbhd" else out.transpose(1, 2)
 
 
-def run_in_session(cmd, *, env, cwd, timeout: float):
+def run_in_session(cmd, *, env, cwd, timeout: float, signal_when=None):
     """Run ``cmd`` (e.g. torchrun) in its own session, output to files; the whole session is
     killed afterwards, so helpers a killed rank leaves behind (dist_checkpointing's writer
-    queue manager) cannot linger.  Returns ``(returncode, stdout, stderr)``."""
+    queue manager) cannot linger.  ``signal_when=(text, signum)``: send ``signum`` to ``cmd``'s
+    process (the launcher, not its children) once ``text`` appears in its stdout.  Returns
+    ``(returncode, stdout, stderr)``."""
     import signal
     import subprocess
     import tempfile
+    import time
 
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=str(cwd), start_new_session=True,
                                 preexec_fn=die_with_parent)
         try:
-            rc = proc.wait(timeout=timeout)
+            deadline = time.time() + timeout
+            while signal_when is not None and proc.poll() is None and time.time() < deadline:
+                with open(f"/proc/self/fd/{out.fileno()}") as view:
+                    if signal_when[0] in view.read():
+                        proc.send_signal(signal_when[1])
+                        break
+                time.sleep(0.05)
+            rc = proc.wait(timeout=max(1.0, deadline - time.time()))
         finally:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)

@@ -260,6 +260,10 @@ def _damaged(d, name, damage):
     elif damage == "no manifest, metadata garbage":
         (it / "ulysses_manifest.json").unlink()
         (it / ".metadata").write_bytes(b"garbage" * 10)
+    elif damage == "re-save an iteration":  # resume from 2 into the same folder and log: 3 and 4 again
+        (dst / "latest_checkpointed_iteration.txt").write_text("2")
+        (d / "damaged" / (name + "_log")).mkdir()
+        shutil.copy(d / "ckpt_log" / "metrics.csv", d / "damaged" / (name + "_log") / "metrics.csv")
     elif damage == "interrupted re-save":  # what a kill between publish's two renames leaves
         os.replace(it, str(it) + ".old")
     else:
@@ -297,6 +301,11 @@ WORLD = [
                                   "--log-dir", "{d}/log_keep"], 0, ["at iteration 4 (8 samples consumed)"]),
     ("interrupted re-save", ["--load", "{k}", "--train-iters", "4", "--log-dir", "{d}/log_resave"], 0,
      ["a re-save of that iteration was interrupted: using the copy it replaced", "at iteration 4 (8 samples consumed)"]),
+    ("re-save an iteration", ["--load", "{k}", "--save", "{k}", "--save-interval", "2", "--train-iters", "4",
+                              "--log-dir", "{k}_log"], 0,
+     ["dropped 2 rows after iteration 2", "successfully saved checkpoint from iteration       4 to {k}"]),
+    ("exit interval", ["--save", "{d}/ckpt_interval", "--exit-interval", "2", "--train-iters", "4",
+                       "--log-dir", "{d}/log_interval"], 0, ["exiting program at iteration 2 (--exit-interval 2)"]),
     ("disk full", ["--save", "{t}/ckpt", "--save-interval", "1", "--train-iters", "3", "--log-dir", "{d}/log_full"], 2,
      ["saving checkpoint at iteration 2 to {t}/ckpt: no space left on the device",
       "The partial {t}/ckpt/iter_0000002.tmp was removed and iteration 1 stays the latest checkpoint"]),
@@ -382,6 +391,24 @@ def test_schedule_flags_decide_which_schedule_goes_on(world):
     assert sorted(over) == sorted(keep) == [5, 6]
     assert keep[5] == keep[6] == pytest.approx(3e-4)
     assert over[5] > 3e-4 * 1.5 and over[6] < over[5]
+
+
+def test_resave_replaces_the_published_checkpoint_and_keeps_one_row_per_iteration(world):
+    _, _, d, _ = world
+    k = d / "damaged" / "re-save an iteration"
+    assert (k / "latest_checkpointed_iteration.txt").read_text() == "4"
+    assert sorted(p.name for p in k.iterdir()) == ["iter_0000002", "iter_0000004", "latest_checkpointed_iteration.txt"]
+    rows = _metrics(str(k) + "_log/metrics.csv")
+    assert [int(r["iteration"]) for r in rows] == [1, 2, 3, 4]
+    before = {int(r["iteration"]): float(r["lm_loss"]) for r in _metrics(d / "ckpt_log" / "metrics.csv")}
+    for r in rows[2:]:  # iterations 3 and 4 trained again (2 ranks now, 1 before): the same losses
+        assert abs(float(r["lm_loss"]) - before[int(r["iteration"])]) <= 1e-5 * before[int(r["iteration"])]
+
+
+def test_exit_interval_saves_and_exits_at_the_interval(world):
+    _, _, d, _ = world
+    assert (d / "ckpt_interval" / "latest_checkpointed_iteration.txt").read_text() == "2"
+    assert [int(r["iteration"]) for r in _metrics(d / "log_interval" / "metrics.csv")] == [1, 2]
 
 
 def test_disk_full_keeps_the_previous_checkpoint(world):

@@ -28,13 +28,13 @@ class Result:
         self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
 
 
-def launch(nproc, args, log_dir, timeout=300, script=SCRIPT):
+def launch(nproc, args, log_dir, timeout=300, script=SCRIPT, signal_when=None):
     """torchrun of the pretrain script in its own session (tests.helpers.run_in_session)."""
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     cmd = [torchrun, "--nproc-per-node", str(nproc), "--master-port", str(free_port()), script, *args,
            "--log-dir", str(log_dir)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    return Result(*run_in_session(cmd, env=env, cwd=log_dir, timeout=timeout))
+    return Result(*run_in_session(cmd, env=env, cwd=log_dir, timeout=timeout, signal_when=signal_when))
 
 
 def losses(log_dir):

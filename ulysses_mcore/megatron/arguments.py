@@ -226,7 +226,7 @@ def validate(args, world_size: int):
                          "of it")
     if args.min_lr > args.lr:
         raise ValueError(f"--min-lr {args.min_lr} is above --lr {args.lr}: the schedule decays from --lr down to "
-                         "--min-lr; lower --min-lr")
+                         "--min-lr (default 3e-4 here, 0 in Megatron-LM); pass a lower --min-lr")
     if args.transformer_impl == "transformer_engine" and not torch.cuda.is_available():
         raise ValueError("--transformer-impl transformer_engine needs a CUDA GPU with Transformer Engine; "
                          "use --transformer-impl local on CPU")
