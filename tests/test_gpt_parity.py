@@ -12,8 +12,11 @@ compared) within 1e-5 relative.  Hybrid Ulysses x ring configurations run on the
 packed streams (THD, cu_seqlens from EOD tokens) are compared with the unsharded model fed
 Megatron-LM's dense --reset-attention-mask mask -- both as this package shards them (the
 stream whole) and in Transformer Engine's per-document layout that Megatron-LM's THD batches
-use (te_layout_4: 4 documents padded to multiples of 8).  Negative controls: the same check with the Ulysses
-exchange bypassed, or with labels shifted after sharding, must fail.
+use (te_layout_4: 4 documents padded to multiples of 8).  The working-memory features (chunked
+linear cross-entropy in 5-token chunks + the sequence-tiled MLP in 3-token chunks) run at
+ulysses 2, tp 2 x ulysses 2 (vocab-parallel loss) and ulysses 2 x pp 2.  Negative controls: the
+same check with the Ulysses exchange bypassed, with labels shifted after sharding, or with the
+chunked loss given a wrong vocabulary offset, must fail.
 """
 
 import pytest
@@ -29,7 +32,12 @@ CONFIGS = [
     dict(tp=2, ulysses=2, pp=2),      # pipeline schedule with 4 micro-batches
     dict(ulysses=2, cp=2),            # hybrid Ulysses x ring, x dp 2
     dict(tp=2, ulysses=2, cp=2),      # tp x hybrid (1 kv head per tp rank, replicated in the a2a)
+    # chunked linear cross-entropy (5-token chunks) + sequence-tiled MLP (3-token chunks)
+    dict(ulysses=2, mem=True),
+    dict(tp=2, ulysses=2, mem=True),  # vocab-parallel chunked loss
+    dict(ulysses=2, pp=2, mem=True),  # the loss on the last stage only
 ]
+LOSS_CHUNK, MLP_CHUNK = 5, 3
 # Packed documents (THD, cu_seqlens) against the unsharded model with Megatron-LM's dense
 # --reset-attention-mask mask: streams of 32 tokens with EOD tokens at fixed places.
 PACKED_CONFIGS = [dict(ulysses=2), dict(ulysses=4), dict(ulysses=2, cp=2)]
@@ -81,7 +89,7 @@ def _step(model, opt, mbs, seq_length):
     return loss, grads
 
 
-def _build(ckpt_dir, load, dense_mask=False):
+def _build(ckpt_dir, load, dense_mask=False, mem=False):
     import torch
     from megatron.core import dist_checkpointing, tensor_parallel
 
@@ -98,7 +106,15 @@ def _build(ckpt_dir, load, dense_mask=False):
 
         spec = get_ulysses_layer_spec()
         spec.submodules.self_attention.params["attn_mask_type"] = AttnMaskType.padding_causal
+    if mem:
+        from ulysses_mcore.megatron.specs import get_ulysses_layer_spec
+
+        spec = get_ulysses_layer_spec(mlp_chunk_tokens=MLP_CHUNK)
     model = training.build_gpt(cfg, vocab_size=VOCAB, max_sequence_length=64, layer_spec=spec)
+    if mem:
+        from ulysses_mcore.megatron.memory import enable_chunked_loss
+
+        enable_chunked_loss(model.module, LOSS_CHUNK)
     if load:
         sd = model.module.sharded_state_dict()
         model.module.load_state_dict(dist_checkpointing.load(sd, ckpt_dir))
@@ -130,8 +146,10 @@ def _parity_world(rank, world, ckpt_dir, controls):
 
     def run(cfg, steps, mode="exact"):
         groups.destroy()
+        cfg = dict(cfg)
+        mem = cfg.pop("mem", False)
         ulysses_mcore.initialize(**cfg, verbose=False)
-        model, opt = _build(ckpt_dir, load=True)
+        model, opt = _build(ckpt_dir, load=True, mem=mem)
         dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
         tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
@@ -169,6 +187,12 @@ def _parity_world(rank, world, ckpt_dir, controls):
     out.update(_packed_parity(ckpt_dir))
     if controls:
         out["control: late label shift"] = run(dict(ulysses=2), 1, mode="late_shift")
+        from ulysses_mcore.megatron import memory
+
+        right = memory.chunked_cross_entropy
+        memory.chunked_cross_entropy = lambda *a, **kw: right(*a, **dict(kw, vocab_start=0))
+        out["control: chunked loss, wrong vocabulary offset"] = run(dict(tp=2, ulysses=2, mem=True), 1)
+        memory.chunked_cross_entropy = right
         ident_in = lambda q, k, v, *a, **kw: (q, k, v)  # noqa: E731
         ident_out = lambda o, *a, **kw: o  # noqa: E731
         attention.seq_to_head, attention.head_to_seq = ident_in, ident_out
@@ -278,6 +302,7 @@ def test_gpt_parity_with_unsharded_model(tmp_path):
     for name in [f"packed {cfg}" for cfg in PACKED_CONFIGS] + ["te_layout_4"]:
         m = merged[name]
         assert m["loss"] < 1e-5 and m["grad"] < 1e-5, (name, m)
-    for name in ("control: late label shift", "control: exchange bypassed", "control: packed, documents ignored"):
+    for name in ("control: late label shift", "control: exchange bypassed", "control: packed, documents ignored",
+                 "control: chunked loss, wrong vocabulary offset"):
         m = merged[name]
         assert m["loss"] > 1e-3 or m["grad"] > 1e-3, (name, m)

@@ -91,6 +91,10 @@ LAYOUTS = {
     "pp2_ulysses2": (4, ["--pipeline-model-parallel-size", "2", "--ulysses-degree", "2"],
                      ["--pipeline-model-parallel-size", "2"]),
     "ulysses2_cp2_rope": (4, ["--ulysses-degree", "2", "--context-parallel-size", "2", *ROPE], ROPE),
+    # chunked linear cross-entropy (vocab-parallel over tp 2) and the sequence-tiled MLP
+    "tp2_ulysses2_chunked": (4, ["--tensor-model-parallel-size", "2", "--ulysses-degree", "2",
+                                 "--use-distributed-optimizer", "--loss-chunk-tokens", "20", "--mlp-chunk-tokens", "12"],
+                             ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"]),
 }
 
 
@@ -100,6 +104,8 @@ def test_loss_lines_equal_without_ulysses(layout):
     got = run_megatron_lm(world, with_u)
     assert "[ulysses-mcore] core attention: UlyssesAttention" in got[2]
     assert "[ulysses-mcore] parallel axes in force" in got[2]
+    if "--loss-chunk-tokens" in with_u:
+        assert "[ulysses-mcore] loss: chunked linear cross-entropy, 20 tokens at a time" in got[2]
     want = run_megatron_lm(world, without)
     assert "[ulysses-mcore]" not in want[2]  # no flag: Megatron-LM's own attention, untouched
     assert_same_lines(got, want, range(1, 5), layout)

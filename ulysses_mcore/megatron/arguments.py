@@ -55,6 +55,12 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                    "the model is always Megatron-Core's GPTModel")
     g.add_argument("--attention-backend", choices=["auto", "sdpa", "flash", "te"], default="auto")
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
+    g.add_argument("--loss-chunk-tokens", type=int, default=None,
+                   help="compute the output layer and cross-entropy this many tokens at a time: at most one "
+                        "chunk's logits [C, vocab/tp] exist (default: off, Megatron's whole logits)")
+    g.add_argument("--mlp-chunk-tokens", type=int, default=None,
+                   help="run each MLP over this many tokens at a time, recomputing the chunk's "
+                        "intermediates in backward: no whole [tokens, ffn/tp] intermediate (default: off)")
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g = p.add_argument_group("training")
@@ -118,7 +124,7 @@ _INT_MIN = {
     "eval_iters": 0, "lr_warmup_iters": 0, "seed": 0,
 }
 _OPTIONAL_INT_MIN = {"ffn_hidden_size": 1, "num_query_groups": 1, "max_position_embeddings": 1, "save_interval": 1,
-                     "eval_interval": 1, "exit_interval": 1}
+                     "eval_interval": 1, "exit_interval": 1, "loss_chunk_tokens": 1, "mlp_chunk_tokens": 1}
 _NOTES = {"eval_iters": " (0: no evaluation)", "lr_warmup_iters": " (0: no warmup)",
           "num_query_groups": " (the number of KV heads)"}
 # float flags: (low, low inclusive?, high, high inclusive?)

@@ -58,6 +58,10 @@ def add_ulysses_args(parser):
                    help="Ulysses all-to-all sequence-parallel degree (inner level of context parallelism)")
     g.add_argument("--ulysses-attention-backend", choices=["auto", "sdpa", "flash", "te"], default="auto",
                    help="inner attention kernel (auto: TE with TE specs, SDPA otherwise)")
+    g.add_argument("--loss-chunk-tokens", type=int, default=None,
+                   help="output layer + cross-entropy this many tokens at a time (no whole logits; default off)")
+    g.add_argument("--mlp-chunk-tokens", type=int, default=None,
+                   help="each MLP this many tokens at a time, recomputed in backward (default off)")
     return parser
 
 
@@ -71,6 +75,10 @@ def fold_args(args):
         return args
     if u < 1:
         raise ValueError(f"--ulysses-degree must be >= 1, got {u}")
+    for flag in ("loss_chunk_tokens", "mlp_chunk_tokens"):
+        v = getattr(args, flag, None)
+        if v is not None and v < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1 (leave it out to turn it off), got {v}")
     ring = getattr(args, "context_parallel_size", 1) or 1
     heads = getattr(args, "num_attention_heads", None)
     if heads is not None and u > 1:
@@ -86,7 +94,8 @@ def fold_args(args):
     if u > 1 and ring > 1:
         args.hierarchical_context_parallel_sizes = [u, ring]
     args._ulysses_folded = True
-    _STATE.update(ulysses=u, cp=ring, backend=getattr(args, "ulysses_attention_backend", "auto"))
+    _STATE.update(ulysses=u, cp=ring, backend=getattr(args, "ulysses_attention_backend", "auto"),
+                  loss_chunk=getattr(args, "loss_chunk_tokens", None), mlp_chunk=getattr(args, "mlp_chunk_tokens", None))
     if u > 1 and "spec" in _LOCAL_SPEC:
         from ulysses_mcore import UlyssesAttention
 
@@ -162,9 +171,11 @@ def _topology_of_parallel_state():
 def _wrap_spec(fn, default_backend):
     @functools.wraps(fn)
     def spec_fn(*a, **kw):
-        from ulysses_mcore.megatron.specs import swap_core_attention
+        from ulysses_mcore.megatron.specs import swap_core_attention, swap_mlp
 
         spec = fn(*a, **kw)
+        if _STATE.get("mlp_chunk"):
+            spec = swap_mlp(spec, chunk_tokens=_STATE["mlp_chunk"])
         if _STATE["ulysses"] <= 1:  # no --ulysses-degree: Megatron's own attention, untouched
             return spec
         backend = _STATE.get("backend", "auto")
@@ -194,6 +205,25 @@ def _wrap_compile_helpers(fn):
     return compile_helpers
 
 
+def _wrap_get_model(fn):
+    @functools.wraps(fn)
+    def get_model(*a, **kw):
+        models = fn(*a, **kw)
+        if _STATE.get("loss_chunk"):
+            from ulysses_mcore.megatron.memory import enable_chunked_loss
+
+            for m in (models if isinstance(models, list) else [models]):
+                core = m
+                while not hasattr(core, "output_layer") and hasattr(core, "module"):
+                    core = core.module  # DDP -> Float16Module -> GPTModel
+                enable_chunked_loss(core, _STATE["loss_chunk"])
+            _say(f"loss: chunked linear cross-entropy, {_STATE['loss_chunk']} tokens at a time")
+        return models
+
+    get_model._ulysses = True
+    return get_model
+
+
 def _local_core_attention(original):
     """What megatron.training's GPT builder puts in for ``--attention-backend local``."""
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -219,6 +249,12 @@ def _targets():
             continue
         if hasattr(mod, "validate_args"):
             out.append((mod, "validate_args", _wrap_validate))
+    try:
+        trainer = importlib.import_module("megatron.training.training")
+    except Exception:
+        trainer = None
+    if trainer is not None and hasattr(trainer, "get_model"):
+        out.append((trainer, "get_model", _wrap_get_model))
     # megatron-core >= 0.19's own GPT builder (megatron.training.models.gpt) forces Megatron's
     # DotProductAttention into the spec when the attention backend is "local"; that name,
     # rebound, gives Ulysses around the local (SDPA) kernel instead.
@@ -268,7 +304,7 @@ def remove():
     for (modname, name), fn in list(_ORIGINALS.items()):
         setattr(importlib.import_module(modname), name, fn)
         del _ORIGINALS[(modname, name)]
-    _STATE.update(ulysses=1, cp=1, backend="auto")
+    _STATE.update(ulysses=1, cp=1, backend="auto", loss_chunk=None, mlp_chunk=None)
     _LOCAL_SPEC.clear()
 
 

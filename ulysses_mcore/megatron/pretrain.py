@@ -171,7 +171,12 @@ def train(args, topo, use_cuda):
     model = training.build_gpt(cfg, vocab_size=vocab, max_sequence_length=args.max_position_embeddings or args.seq_length,
                                position_embedding_type=args.position_embedding_type,
                                share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-                               layer_spec=get_ulysses_layer_spec(base, backend=backend, normalization=args.normalization))
+                               layer_spec=get_ulysses_layer_spec(base, backend=backend, normalization=args.normalization,
+                                                                 mlp_chunk_tokens=args.mlp_chunk_tokens))
+    if args.loss_chunk_tokens:
+        from ulysses_mcore.megatron.memory import enable_chunked_loss
+
+        enable_chunked_loss(model.module, args.loss_chunk_tokens)
     # the same initial model for every tp / pp / ulysses / cp / dp layout (one --seed)
     training.init_layout_independent(model, cfg, args.seed)
     optimizer = training.build_optimizer(model, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,

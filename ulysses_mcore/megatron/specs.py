@@ -17,20 +17,18 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from .module import UlyssesAttention
 
 
-def swap_core_attention(spec, *, backend: Union[str, object] = "sdpa", ulysses_group=None):
-    """``spec`` with every self-attention ``core_attention`` made Ulysses.
+def _rewrite(spec, replace):
+    """``spec`` with every node for which ``replace(node)`` is not None replaced by it.
 
-    Works on a layer spec, a ``TransformerBlockSubmodules`` (``layer_specs`` list) or any
-    nesting of ``ModuleSpec`` s, dataclasses, lists and ``functools.partial`` s (megatron-core
-    0.19 builds MLP specs as partials).  Copies only the nodes on the way to a swapped
-    ``core_attention``: everything else is the very object of ``spec`` (the input is never
-    modified).  Raises if nothing was swapped."""
-    params = {"backend": backend}
-    if ulysses_group is not None:
-        params["ulysses_group"] = ulysses_group
-    count = [0]
+    Walks ``ModuleSpec`` s, dataclasses (layer / block submodules), lists and
+    ``functools.partial`` s (megatron-core 0.19 builds MLP specs as partials).  Copies only
+    the nodes on the way to a replaced one: everything else is the very object of ``spec``
+    (the input is never modified)."""
 
     def visit(node):
+        new = replace(node)
+        if new is not None:
+            return new
         if isinstance(node, ModuleSpec):
             sub = visit(node.submodules)
             return node if sub is node.submodules else _replaced(node, submodules=sub)
@@ -46,20 +44,63 @@ def swap_core_attention(spec, *, backend: Union[str, object] = "sdpa", ulysses_g
         if isinstance(node, type) or not hasattr(node, "__dataclass_fields__"):
             return node
         changes = {}
-        if hasattr(node, "core_attention") and hasattr(node, "linear_qkv"):
-            changes["core_attention"] = ModuleSpec(module=UlyssesAttention, params=dict(params))
-            count[0] += 1
         for name in node.__dataclass_fields__:
-            if name not in changes:
-                child = getattr(node, name)
-                new = visit(child)
-                if new is not child:
-                    changes[name] = new
+            child = getattr(node, name)
+            new = visit(child)
+            if new is not child:
+                changes[name] = new
         return _replaced(node, **changes) if changes else node
 
-    out = visit(spec)
+    return visit(spec)
+
+
+def swap_core_attention(spec, *, backend: Union[str, object] = "sdpa", ulysses_group=None):
+    """``spec`` with every self-attention ``core_attention`` made Ulysses (a layer spec, a
+    ``TransformerBlockSubmodules`` or any nesting; see :func:`_rewrite`).  Raises if nothing
+    was swapped."""
+    params = {"backend": backend}
+    if ulysses_group is not None:
+        params["ulysses_group"] = ulysses_group
+    count = [0]
+
+    def replace(node):
+        if (not isinstance(node, (type, ModuleSpec, functools.partial, list, tuple))
+                and hasattr(node, "__dataclass_fields__") and hasattr(node, "core_attention")
+                and hasattr(node, "linear_qkv")):
+            count[0] += 1
+            return _replaced(node, core_attention=ModuleSpec(module=UlyssesAttention, params=dict(params)))
+        return None
+
+    out = _rewrite(spec, replace)
     if not count[0]:
         raise ValueError("swap_core_attention: the spec has no self-attention core_attention to swap")
+    return out
+
+
+def swap_mlp(spec, *, chunk_tokens: int):
+    """``spec`` with every dense Megatron ``MLP`` (a ``ModuleSpec(module=MLP)`` or 0.19's
+    ``partial(MLP.as_mlp_submodule, ...)``) made sequence-tiled
+    (:func:`ulysses_mcore.megatron.memory.tiled_mlp_class`).  MoE experts are left alone.
+    Raises if there is no dense MLP."""
+    from megatron.core.transformer.mlp import MLP
+
+    from .memory import tiled_mlp_class
+
+    tiled = tiled_mlp_class(int(chunk_tokens))
+    count = [0]
+
+    def replace(node):
+        if isinstance(node, ModuleSpec) and node.module is MLP:
+            count[0] += 1
+            return _replaced(node, module=tiled)
+        if isinstance(node, functools.partial) and getattr(node.func, "__self__", None) is MLP:
+            count[0] += 1
+            return functools.partial(getattr(tiled, node.func.__name__), *node.args, **node.keywords)
+        return None
+
+    out = _rewrite(spec, replace)
+    if not count[0]:
+        raise ValueError("--mlp-chunk-tokens: the layer spec has no dense Megatron MLP to tile")
     return out
 
 
@@ -78,6 +119,7 @@ def get_ulysses_layer_spec(
     moe_grouped_gemm: bool = False,
     qk_layernorm: bool = False,
     backend: Optional[str] = None,
+    mlp_chunk_tokens: Optional[int] = None,
     **kwargs,
 ):
     """A GPT layer spec from Megatron-Core with Ulysses core attention.
@@ -86,7 +128,8 @@ def get_ulysses_layer_spec(
     ``backend`` (default ``"sdpa"``).  ``base="te"``:
     ``get_gpt_layer_with_transformer_engine_spec`` with the inner kernel TE's
     ``DotProductAttention`` (its own context parallelism off), ``backend`` default ``"te"``.
-    Extra keywords go to the Megatron spec function."""
+    ``mlp_chunk_tokens``: the MLP sequence-tiled (:func:`swap_mlp`).  Extra keywords go to the
+    Megatron spec function."""
     from megatron.core.models.gpt import gpt_layer_specs as g
 
     if base == "local":
@@ -101,4 +144,5 @@ def get_ulysses_layer_spec(
         backend = backend or "te"
     else:
         raise ValueError(f"base={base!r}: use 'local' (plain torch, CPU) or 'te' (Transformer Engine)")
-    return swap_core_attention(spec, backend=backend)
+    spec = swap_core_attention(spec, backend=backend)
+    return swap_mlp(spec, chunk_tokens=mlp_chunk_tokens) if mlp_chunk_tokens else spec

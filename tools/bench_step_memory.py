@@ -1,0 +1,192 @@
+#!/usr/bin/env python3
+"""Whole-step peak memory per rank: forward, backward and optimizer step, with the chunked
+loss and the tiled MLP off and on, at ulysses 1, 2, 4 (CPU, gloo).
+
+    python tools/bench_step_memory.py [--degrees 1,2,4] [--seq 2048,4096,8192] [--budget-gb 2] [--out docs/perf]
+
+How it measures, and why it is honest: every point is a fresh world of P processes.  Each rank
+builds Megatron's GPTModel (Ulysses local spec, a vocabulary of 32768 and ffn = 4 x hidden so
+that logits and MLP intermediates matter), DDP and Adam, runs one step (the optimizer's state
+is allocated there), then resets the kernel's resident-set high-water mark
+(``/proc/self/clear_refs`` = 5), runs a second step and reads ``VmHWM``: the most memory the
+process held at any instant of a steady-state step, everything included (autograd graph,
+logits, gradients, the optimizer's temporaries, gloo buffers).  glibc is told to serve every
+allocation above 64 KiB by mmap and to give it back at once (``MALLOC_MMAP_THRESHOLD_``,
+``MALLOC_TRIM_THRESHOLD_``), so the resident set follows the live tensors instead of keeping
+freed heap.  Reported: ``peak`` (VmHWM) and ``transient`` (VmHWM minus the resident set just
+before the step: what the step adds on top of weights, gradients and optimizer state).  On a
+GPU the same numbers are ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+MODEL = dict(num_layers=2, hidden_size=256, ffn_hidden_size=1024, num_attention_heads=8, num_query_groups=4)
+VOCAB = 32768
+CHUNK = 512
+FEATURES = {"off": (None, None), "loss": (CHUNK, None), "mlp": (None, CHUNK), "both": (CHUNK, CHUNK)}
+
+
+def _status(key):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _worker(rank, world, port, S, feature, recompute, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    import gc
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import torch
+    import torch.distributed as dist
+
+    from ulysses_mcore.megatron import cpu_compat
+
+    cpu_compat.apply()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    import ulysses_mcore
+    from megatron.core import tensor_parallel
+    from ulysses_mcore.megatron import training
+    from ulysses_mcore.megatron.batch import make_lm_batch, shard_batch
+    from ulysses_mcore.megatron.memory import enable_chunked_loss
+    from ulysses_mcore.megatron.specs import get_ulysses_layer_spec
+
+    loss_chunk, mlp_chunk = FEATURES[feature]
+    ulysses_mcore.initialize(ulysses=world, verbose=False)
+    torch.manual_seed(0)
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    extra = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute else {}
+    cfg = training.gpt_config(**MODEL, **extra)
+    model = training.build_gpt(cfg, vocab_size=VOCAB, max_sequence_length=S,
+                               layer_spec=get_ulysses_layer_spec(mlp_chunk_tokens=mlp_chunk))
+    if loss_chunk:
+        enable_chunked_loss(model.module, loss_chunk)
+    opt = training.build_optimizer(model, lr=1e-4)
+    text = torch.randint(0, VOCAB, (1, S + 1), generator=torch.Generator().manual_seed(S))
+    mbs = [shard_batch(make_lm_batch(text))]
+    training.train_step(model, opt, mbs, seq_length=S, micro_batch_size=1)  # allocates Adam's state
+    gc.collect()
+    dist.barrier()
+    before = _status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current resident set
+    t0 = time.perf_counter()
+    m = training.train_step(model, opt, mbs, seq_length=S, micro_batch_size=1)
+    dt = time.perf_counter() - t0
+    peak = _status("VmHWM")
+    queue.put({"rank": rank, "before": before, "peak": peak, "seconds": dt, "loss": m["loss"]})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure(P, S, feature, recompute):
+    from _world import run_world
+
+    res = run_world(P, _worker, S, feature, recompute, what=f"a rank at ulysses {P}, seq {S}, {feature}")
+    return {"degree": P, "seq": S, "feature": feature, "recompute": recompute,
+            "peak": max(r["peak"] for r in res), "transient": max(r["peak"] - r["before"] for r in res),
+            "before": max(r["before"] for r in res), "seconds": max(r["seconds"] for r in res),
+            "loss": res[0]["loss"]}
+
+
+def longest(rows, budget, P, feature, recompute):
+    """The longest sequence whose peak fits ``budget`` per rank: a line through this
+    configuration's measured peaks (peak is linear in S here: SDPA's CPU kernel is
+    memory-efficient), solved for the budget."""
+    pts = sorted((r["seq"], r["peak"]) for r in rows if (r["degree"], r["feature"], r["recompute"]) == (P, feature, recompute))
+    if len(pts) < 2:
+        return None
+    (s0, p0), (s1, p1) = pts[-2], pts[-1]
+    slope = (p1 - p0) / (s1 - s0)
+    return int(s1 + (budget - p1) / slope) if slope > 0 else None
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--degrees", default="1,2,4")
+    p.add_argument("--seq", default="2048,4096,8192")
+    p.add_argument("--features", default="off,loss,mlp,both")
+    p.add_argument("--budget-gb", type=float, default=2.0)
+    p.add_argument("--out", default="docs/perf")
+    a = p.parse_args(argv)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    os.environ.update(MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0", OMP_NUM_THREADS="1")
+    degrees = [int(x) for x in a.degrees.split(",")]
+    seqs = [int(x) for x in a.seq.split(",")]
+    features = a.features.split(",")
+    points = [(P, S, f, False) for P in degrees for f in features for S in seqs]
+    points += [(P, S, "both", True) for P in degrees for S in seqs]  # + full recompute
+    rows = []
+    t0 = time.time()
+    for i, (P, S, f, rc) in enumerate(points, 1):
+        rows.append(measure(P, S, f, rc))
+        r = rows[-1]
+        print(f"[{i}/{len(points)} {time.time() - t0:.0f}s] ulysses {P} seq {S} {f}{' +recompute' if rc else ''}: "
+              f"peak {r['peak'] / 1e9:.3f} GB, transient {r['transient'] / 1e9:.3f} GB, step {r['seconds']:.2f} s",
+              file=sys.stderr, flush=True)
+    budget = a.budget_gb * 1e9
+    fits = {f"ulysses {P}, {f}{' + full recompute' if rc else ''}": longest(rows, budget, P, f, rc)
+            for P in degrees for f, rc in [(f, False) for f in features] + [("both", True)]}
+    os.makedirs(a.out, exist_ok=True)
+    base = os.path.join(a.out, "bench_step_memory")
+    with open(base + ".json", "w") as fh:
+        json.dump({"rows": rows, "longest_sequence": fits, "model": MODEL, "vocab": VOCAB,
+                   "chunks": FEATURES, "budget_gb": a.budget_gb}, fh, indent=1)
+    lines = [f"GPTModel {MODEL}, vocab {VOCAB}, fp32, batch 1, Adam, gloo on CPU; per-rank whole-step peak "
+             "(VmHWM of a fresh process over one steady-state step) and transient (peak minus the resident set "
+             f"before the step). loss: --loss-chunk-tokens {CHUNK}; mlp: --mlp-chunk-tokens {CHUNK}.", "",
+             "| ulysses | seq | features | peak (GB) | transient (GB) | transient vs off | step (s) | step vs off |",
+             "|---|---|---|---|---|---|---|---|"]
+    off = {(r["degree"], r["seq"]): r for r in rows if r["feature"] == "off" and not r["recompute"]}
+    for r in rows:
+        o = off.get((r["degree"], r["seq"]))
+        name = r["feature"] + (" + recompute" if r["recompute"] else "")
+        lines.append(f"| {r['degree']} | {r['seq']} | {name} | {r['peak'] / 1e9:.3f} | {r['transient'] / 1e9:.3f} | "
+                     f"{r['transient'] / o['transient']:.2f} | {r['seconds']:.2f} | {r['seconds'] / o['seconds']:.2f} |"
+                     if o else "")
+    lines += ["", f"Longest sequence with a whole-step peak within {a.budget_gb:g} GB per rank (line through the two "
+              "longest measured points):", ""] + [f"- {k}: {v}" for k, v in fits.items()]
+    with open(base + ".md", "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        styles = {"off": "o-", "loss": "s--", "mlp": "^--", "both": "D-"}
+        colors = {P: c for P, c in zip(degrees, ["tab:blue", "tab:orange", "tab:green", "tab:red"])}
+        for P in degrees:
+            for f, rc in [(f, False) for f in features] + [("both", True)]:
+                rs = sorted((r for r in rows if (r["degree"], r["feature"], r["recompute"]) == (P, f, rc)),
+                            key=lambda r: r["seq"])
+                ax.plot([r["seq"] for r in rs], [r["peak"] / 1e9 for r in rs], ":" if rc else styles[f],
+                        color=colors[P], label=f"U{P} {f}{' +rc' if rc else ''}", alpha=0.9)
+        ax.axhline(a.budget_gb, color="gray", lw=0.8)
+        ax.set(xscale="log", xlabel="sequence length", ylabel="whole-step peak GB per rank",
+               title="whole-step peak memory per rank")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, ncol=3)
+        fig.tight_layout()
+        fig.savefig(base + ".png", dpi=110)
+    except ImportError:
+        pass
+    print(open(base + ".md").read())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
