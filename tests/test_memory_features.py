@@ -89,19 +89,29 @@ def test_tiled_mlp_equals_megatrons_mlp(gated):
     every gradient; the forward keeps no [tokens, ffn] intermediate (saved tensors counted)."""
     world = _single_rank_megatron()
     try:
-        from megatron.core.transformer.mlp import MLP
+        import functools
+
+        from megatron.core.transformer.spec_utils import build_module
 
         from ulysses_mcore.megatron import training
-        from ulysses_mcore.megatron.memory import tiled_mlp_class
-        from ulysses_mcore.megatron.specs import get_ulysses_layer_spec
+        from ulysses_mcore.megatron.specs import get_ulysses_layer_spec, swap_mlp
 
         cfg = training.gpt_config(num_layers=1, hidden_size=16, ffn_hidden_size=64, num_attention_heads=2,
                                   gated_linear_unit=gated, activation_func=torch.nn.functional.silu if gated
                                   else torch.nn.functional.gelu, add_bias_linear=True)
-        sub = get_ulysses_layer_spec().submodules.mlp.submodules
+        def build(spec):  # megatron-core 0.16: a ModuleSpec; 0.19: partial(MLP.as_mlp_submodule, ...)
+            if isinstance(spec, functools.partial):
+                from megatron.core.process_groups_config import ProcessGroupCollection
+
+                return spec(config=cfg, pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+                            is_mtp_layer=False)
+            return build_module(spec, config=cfg)
+
+        spec = get_ulysses_layer_spec().submodules.mlp
         torch.manual_seed(0)
-        plain = MLP(cfg, sub)
-        tiled = tiled_mlp_class(6)(cfg, sub)
+        plain = build(spec)
+        tiled = build(swap_mlp(spec, chunk_tokens=6))
+        assert type(tiled).__name__ == "TiledMLP6" and type(plain).__name__ == "MLP"
         tiled.load_state_dict(plain.state_dict())
         x = torch.randn(13, 2, 16)
         outs = {}

@@ -205,10 +205,13 @@ def _wrap_compile_helpers(fn):
     return compile_helpers
 
 
-def _wrap_get_model(fn):
+def _wrap_setup_model(fn):
+    """``setup_model_and_optimizer`` (both megatron.training versions build the model there,
+    0.19 through its config-container builder): the chunked loss hooked onto each built GPTModel."""
     @functools.wraps(fn)
-    def get_model(*a, **kw):
-        models = fn(*a, **kw)
+    def setup_model_and_optimizer(*a, **kw):
+        out = fn(*a, **kw)
+        models = out[0]
         if _STATE.get("loss_chunk"):
             from ulysses_mcore.megatron.memory import enable_chunked_loss
 
@@ -218,10 +221,10 @@ def _wrap_get_model(fn):
                     core = core.module  # DDP -> Float16Module -> GPTModel
                 enable_chunked_loss(core, _STATE["loss_chunk"])
             _say(f"loss: chunked linear cross-entropy, {_STATE['loss_chunk']} tokens at a time")
-        return models
+        return out
 
-    get_model._ulysses = True
-    return get_model
+    setup_model_and_optimizer._ulysses = True
+    return setup_model_and_optimizer
 
 
 def _local_core_attention(original):
@@ -253,8 +256,8 @@ def _targets():
         trainer = importlib.import_module("megatron.training.training")
     except Exception:
         trainer = None
-    if trainer is not None and hasattr(trainer, "get_model"):
-        out.append((trainer, "get_model", _wrap_get_model))
+    if trainer is not None and hasattr(trainer, "setup_model_and_optimizer"):
+        out.append((trainer, "setup_model_and_optimizer", _wrap_setup_model))
     # megatron-core >= 0.19's own GPT builder (megatron.training.models.gpt) forces Megatron's
     # DotProductAttention into the spec when the attention backend is "local"; that name,
     # rebound, gives Ulysses around the local (SDPA) kernel instead.
