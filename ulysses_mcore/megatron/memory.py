@@ -187,6 +187,17 @@ class _TiledMLPMixin:
         return torch.cat(outs, dim=0), bias
 
 
+class _KindOfMLP(type):
+    """The tiled classes compare equal to the MLP class they tile: megatron-core 0.16's
+    ``TransformerLayer`` hands the tensor-parallel group to an mlp module only when
+    ``module == MLP`` (any other class is logged as an unknown MLP type and built without it)."""
+
+    def __eq__(cls, other):
+        return cls is other or other is cls.__dict__.get("_tiles")
+
+    __hash__ = type.__hash__
+
+
 @functools.lru_cache(maxsize=None)
 def tiled_mlp_class(chunk_tokens: int, base=None):
     """A subclass of Megatron's ``MLP`` (or ``base``) that tiles ``chunk_tokens`` tokens at a time."""
@@ -194,8 +205,8 @@ def tiled_mlp_class(chunk_tokens: int, base=None):
         from megatron.core.transformer.mlp import MLP as base
     if chunk_tokens < 1:
         raise ValueError(f"--mlp-chunk-tokens must be >= 1, got {chunk_tokens}")
-    return type(f"TiledMLP{chunk_tokens}", (_TiledMLPMixin, base), {"chunk_tokens": int(chunk_tokens),
-                                                                    "__module__": __name__})
+    return _KindOfMLP(f"TiledMLP{chunk_tokens}", (_TiledMLPMixin, base),
+                      {"chunk_tokens": int(chunk_tokens), "_tiles": base, "__module__": __name__})
 
 
 __all__ = ["ChunkedLinearCrossEntropy", "chunked_cross_entropy", "enable_chunked_loss", "tiled_mlp_class"]
