@@ -181,6 +181,8 @@ FLAGS = [
     ("scheduler flags contradict", ["--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"],
      "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler contradict"),
     ("exit interval 0", ["--exit-interval", "0"], "--exit-interval must be >= 1, got 0"),
+    ("loss chunk 0", ["--loss-chunk-tokens", "0"], "--loss-chunk-tokens must be >= 1, got 0; leave it out"),
+    ("mlp chunk -1", ["--mlp-chunk-tokens", "-1"], "--mlp-chunk-tokens must be >= 1, got -1; leave it out"),
     ("exit duration 0", ["--exit-duration-in-mins", "0"], "--exit-duration-in-mins must be a finite number in (0, inf)"),
     # output paths: created and write-tested at start, not found at the first save
     ("save under a file", ["--save", "{d}/afile/ckpt"], "--save {d}/afile/ckpt: cannot write there ({d}/afile is a file, "

@@ -2,7 +2,7 @@
 """Whole-step peak memory per rank: forward, backward and optimizer step, with the chunked
 loss and the tiled MLP off and on, at ulysses 1, 2, 4 (CPU, gloo).
 
-    python tools/bench_step_memory.py [--degrees 1,2,4] [--seq 2048,4096,8192] [--budget-gb 2] [--out docs/perf]
+    python tools/bench_step_memory.py [--degrees 1,2,4] [--seq 1024,4096] [--budget-gb 1.5] [--out docs/perf]
 
 How it measures, and why it is honest: every point is a fresh world of P processes.  Each rank
 builds Megatron's GPTModel (Ulysses local spec, a vocabulary of 32768 and ffn = 4 x hidden so
@@ -101,25 +101,43 @@ def measure(P, S, feature, recompute):
             "loss": res[0]["loss"]}
 
 
-def longest(rows, budget, P, feature, recompute):
-    """The longest sequence whose peak fits ``budget`` per rank: a line through this
-    configuration's measured peaks (peak is linear in S here: SDPA's CPU kernel is
-    memory-efficient), solved for the budget."""
-    pts = sorted((r["seq"], r["peak"]) for r in rows if (r["degree"], r["feature"], r["recompute"]) == (P, feature, recompute))
-    if len(pts) < 2:
-        return None
-    (s0, p0), (s1, p1) = pts[-2], pts[-1]
-    slope = (p1 - p0) / (s1 - s0)
-    return int(s1 + (budget - p1) / slope) if slope > 0 else None
+def with_plan(rows, budget, degrees):
+    """The plan's peak for every measured point (tools/plan.py, its constants fitted to this
+    benchmark) and its error; the longest sequence in ``budget`` per rank, from the plan."""
+    from plan import estimate, longest_sequence
+
+    def kw(feature, recompute):
+        lc, mc = FEATURES[feature]
+        return dict(vocab_size=VOCAB, loss_chunk_tokens=lc, mlp_chunk_tokens=mc, torch_adam=True,
+                    recompute="full" if recompute else None, **MODEL)
+
+    states = {}
+    for r in rows:
+        est = estimate(seq_length=r["seq"], ulysses=r["degree"], **kw(r["feature"], r["recompute"]))
+        states[id(r)] = est["weights_bytes"] + est["grads_bytes"] + est["optimizer_bytes"]
+        r["plan_transient"] = est["step_transient_bytes"]
+    runtime = sorted(r["before"] - states[id(r)] for r in rows)[len(rows) // 2]  # interpreter, libraries
+    for r in rows:
+        r["plan_peak"] = runtime + states[id(r)] + r["plan_transient"]
+        r["plan_error"] = r["plan_peak"] / r["peak"] - 1
+    fits = {}
+    for P in degrees:
+        for feature, rc in [("off", False), ("both", False), ("both", True)]:
+            name = f"ulysses {P}, {'both features' if feature == 'both' else 'no features'}" + (
+                " + full recompute" if rc else "")
+            fits[name] = longest_sequence(budget, 2 * P, ulysses=P, runtime_bytes=runtime, **kw(feature, rc))
+    return runtime, fits
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--degrees", default="1,2,4")
-    p.add_argument("--seq", default="2048,4096,8192")
-    p.add_argument("--features", default="off,loss,mlp,both")
-    p.add_argument("--budget-gb", type=float, default=2.0)
+    p.add_argument("--seq", default="1024,4096")
+    p.add_argument("--features", default="off,both", help="measured at every --seq (and both + full recompute)")
+    p.add_argument("--single", default="loss,mlp", help="measured at the longest --seq only (each feature alone)")
+    p.add_argument("--budget-gb", type=float, default=1.5)
     p.add_argument("--out", default="docs/perf")
+    p.add_argument("--from-json", default=None, help="re-render a previous run's JSON (no measuring)")
     a = p.parse_args(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     os.environ.update(MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0", OMP_NUM_THREADS="1")
@@ -128,7 +146,12 @@ def main(argv=None):
     features = a.features.split(",")
     points = [(P, S, f, False) for P in degrees for f in features for S in seqs]
     points += [(P, S, "both", True) for P in degrees for S in seqs]  # + full recompute
+    points += [(P, seqs[-1], f, False) for P in degrees for f in a.single.split(",") if f]
     rows = []
+    if a.from_json:
+        with open(a.from_json) as fh:
+            rows = json.load(fh)["rows"]
+        points = []
     t0 = time.time()
     for i, (P, S, f, rc) in enumerate(points, 1):
         rows.append(measure(P, S, f, rc))
@@ -137,27 +160,30 @@ def main(argv=None):
               f"peak {r['peak'] / 1e9:.3f} GB, transient {r['transient'] / 1e9:.3f} GB, step {r['seconds']:.2f} s",
               file=sys.stderr, flush=True)
     budget = a.budget_gb * 1e9
-    fits = {f"ulysses {P}, {f}{' + full recompute' if rc else ''}": longest(rows, budget, P, f, rc)
-            for P in degrees for f, rc in [(f, False) for f in features] + [("both", True)]}
+    runtime, fits = with_plan(rows, budget, degrees)
     os.makedirs(a.out, exist_ok=True)
     base = os.path.join(a.out, "bench_step_memory")
     with open(base + ".json", "w") as fh:
-        json.dump({"rows": rows, "longest_sequence": fits, "model": MODEL, "vocab": VOCAB,
+        json.dump({"rows": rows, "longest_sequence": fits, "model": MODEL, "vocab": VOCAB, "runtime_bytes": runtime,
                    "chunks": FEATURES, "budget_gb": a.budget_gb}, fh, indent=1)
     lines = [f"GPTModel {MODEL}, vocab {VOCAB}, fp32, batch 1, Adam, gloo on CPU; per-rank whole-step peak "
              "(VmHWM of a fresh process over one steady-state step) and transient (peak minus the resident set "
              f"before the step). loss: --loss-chunk-tokens {CHUNK}; mlp: --mlp-chunk-tokens {CHUNK}.", "",
-             "| ulysses | seq | features | peak (GB) | transient (GB) | transient vs off | step (s) | step vs off |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| ulysses | seq | features | peak (GB) | transient (GB) | transient vs off | step (s) | step vs off | "
+             "plan peak (GB) | plan error |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     off = {(r["degree"], r["seq"]): r for r in rows if r["feature"] == "off" and not r["recompute"]}
     for r in rows:
         o = off.get((r["degree"], r["seq"]))
         name = r["feature"] + (" + recompute" if r["recompute"] else "")
         lines.append(f"| {r['degree']} | {r['seq']} | {name} | {r['peak'] / 1e9:.3f} | {r['transient'] / 1e9:.3f} | "
-                     f"{r['transient'] / o['transient']:.2f} | {r['seconds']:.2f} | {r['seconds'] / o['seconds']:.2f} |"
-                     if o else "")
-    lines += ["", f"Longest sequence with a whole-step peak within {a.budget_gb:g} GB per rank (line through the two "
-              "longest measured points):", ""] + [f"- {k}: {v}" for k, v in fits.items()]
+                     f"{r['transient'] / o['transient']:.2f} | {r['seconds']:.2f} | {r['seconds'] / o['seconds']:.2f} | "
+                     f"{r['plan_peak'] / 1e9:.3f} | {100 * r['plan_error']:+.1f}% |" if o else "")
+    worst = max(abs(r["plan_error"]) for r in rows)
+    lines += ["", f"tools/plan.py (constants fitted to these points, runtime {runtime / 1e9:.3f} GB: the interpreter "
+              f"and libraries) predicts every measured peak within {100 * worst:.1f}%.", "",
+              f"Longest sequence whose whole-step peak fits {a.budget_gb:g} GB per rank (tools/plan.py):", ""]
+    lines += [f"- {k}: {v}" for k, v in fits.items()]
     with open(base + ".md", "w") as fh:
         fh.write("\n".join(lines) + "\n")
     try:
@@ -168,6 +194,7 @@ def main(argv=None):
 
         fig, ax = plt.subplots(figsize=(7, 4.5))
         styles = {"off": "o-", "loss": "s--", "mlp": "^--", "both": "D-"}
+        singles = [r for r in rows if r["feature"] not in features and not r["recompute"]]
         colors = {P: c for P, c in zip(degrees, ["tab:blue", "tab:orange", "tab:green", "tab:red"])}
         for P in degrees:
             for f, rc in [(f, False) for f in features] + [("both", True)]:
@@ -175,9 +202,11 @@ def main(argv=None):
                             key=lambda r: r["seq"])
                 ax.plot([r["seq"] for r in rs], [r["peak"] / 1e9 for r in rs], ":" if rc else styles[f],
                         color=colors[P], label=f"U{P} {f}{' +rc' if rc else ''}", alpha=0.9)
+        for r in singles:
+            ax.plot([r["seq"]], [r["peak"] / 1e9], styles[r["feature"]][0], color=colors[r["degree"]], mfc="none")
         ax.axhline(a.budget_gb, color="gray", lw=0.8)
         ax.set(xscale="log", xlabel="sequence length", ylabel="whole-step peak GB per rank",
-               title="whole-step peak memory per rank")
+               title="whole-step peak memory per rank (open markers: one feature alone)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, ncol=3)
         fig.tight_layout()

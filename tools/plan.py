@@ -19,7 +19,13 @@ no s x s matrix):
 * all-to-all bytes sent per rank per layer: ``(P-1)/P`` of the local q, k, v (kv heads
   replicated where they are fewer than P) and of the output, forward and backward.
 
-``--budget-gb`` prints the longest sequence (multiple of 2 x degree) that fits, per degree.
+* the step's peak on top of the states: the larger of the backward's (activations, the fp32
+  logits or, with ``--loss-chunk-tokens``, one chunk's, a vocabulary-sized weight gradient,
+  the tiled MLP's chunk with ``--mlp-chunk-tokens``) and the optimizer step's temporaries --
+  constants fitted to ``tools/bench_step_memory.py`` (within 3.7% of every measured peak,
+  docs/memory.md).
+
+``--budget-gb`` prints the longest sequence (multiple of 2 x degree) whose step peak fits, per degree.
 """
 
 from __future__ import annotations
@@ -29,9 +35,17 @@ import json
 import sys
 
 
+# fitted to tools/bench_step_memory.py (docs/perf/bench_step_memory.json); see docs/memory.md
+K_LOGITS = 1.0      # fp32 logits-sized buffers alive at the step's peak
+K_MLP_CHUNK = 2.0   # tiled MLP: one chunk's intermediates and their gradients during its backward
+K_OPT_TORCH = 1.75  # fp32 parameter-sized temporaries of torch's foreach Adam (CPU, or no TE / Apex); fused: ~0
+K_VOCAB_GRAD = 1.0  # a vocabulary-sized weight's gradient [V/tp, h], fp32, before it joins the DDP buffer
+
+
 def estimate(*, num_layers, hidden_size, num_attention_heads, num_query_groups=None, ffn_hidden_size=None,
              vocab_size=50304, seq_length=4096, micro_batch_size=1, tp=1, ulysses=1, cp=1, pp=1,
-             bf16=False, recompute=None, swiglu=False, distributed_optimizer=False, dp=1):
+             bf16=False, recompute=None, swiglu=False, distributed_optimizer=False, dp=1,
+             loss_chunk_tokens=None, mlp_chunk_tokens=None, runtime_bytes=0, torch_adam=False):
     g = num_query_groups or num_attention_heads
     ffn = ffn_hidden_size or 4 * hidden_size
     d = hidden_size // num_attention_heads
@@ -65,15 +79,26 @@ def estimate(*, num_layers, hidden_size, num_attention_heads, num_query_groups=N
         + hq * d                   # linear_proj input
         + (h_tp + 2)               # pre-MLP layernorm
         + h_tp                     # linear_fc1 input
-        + fc1_out                  # activation input
-        + ffn / tp                 # linear_fc2 input
+        + (0 if mlp_chunk_tokens else fc1_out + ffn / tp)  # activation + linear_fc2 inputs (tiled: recomputed)
     )
     if recompute == "full":  # layer inputs kept; one layer's activations live again during its backward
         layer_full, layer = layer, h_tp
     else:
         layer_full = 0.0
-    head = (hidden_size + 2) + hidden_size + vocab_size / tp  # final norm, output-layer input, softmax
+    head = (hidden_size + 2) + hidden_size  # final norm, output-layer input
     act_bytes = act * s_local * b * (L * layer + layer_full) + 4 * s_local * b * head
+    # ---- what a step holds on top (measured by tools/bench_step_memory.py, fitted constants):
+    # the logits [tokens, V/tp] in fp32 (Megatron's cross-entropy works in place on them and keeps
+    # them as its softmax for backward; chunked: one chunk's, plus 8 bytes per token of
+    # log-sum-exp and target), the tiled MLP's recomputed chunk, and the optimizer step's temporaries
+    T = s_local * b
+    logit_rows = min(T, loss_chunk_tokens) if loss_chunk_tokens else T
+    loss_bytes = K_LOGITS * 4 * logit_rows * vocab_size / tp + (8 * T if loss_chunk_tokens else 0)
+    mlp_bytes = K_MLP_CHUNK * act * min(T, mlp_chunk_tokens) * (fc1_out + ffn / tp) if mlp_chunk_tokens else 0.0
+    # the peak is either in backward (activations, logits, the MLP chunk) or in the optimizer step
+    # (activations freed by then, its temporaries instead)
+    vocab_grad = K_VOCAB_GRAD * 4 * vocab_size / tp * hidden_size
+    step_transient = max(act_bytes + loss_bytes + mlp_bytes + vocab_grad, K_OPT_TORCH * params * 4 if torch_adam else 0.0)
     # ---- all-to-all bytes per rank
     P = ulysses
     q_heads_rank, kv_rank = hq // max(P, 1), max(hk // max(P, 1), 1)
@@ -89,7 +114,10 @@ def estimate(*, num_layers, hidden_size, num_attention_heads, num_query_groups=N
         "grads_bytes": g_bytes,
         "optimizer_bytes": opt_bytes,
         "activations_bytes": act_bytes,
-        "total_bytes": w_bytes + g_bytes + opt_bytes + act_bytes,
+        "loss_transient_bytes": loss_bytes,
+        "step_transient_bytes": step_transient,
+        "step_peak_bytes": runtime_bytes + w_bytes + g_bytes + opt_bytes + step_transient,
+        "total_bytes": runtime_bytes + w_bytes + g_bytes + opt_bytes + step_transient,
         "tokens_per_rank": s_local,
         "a2a_bytes_per_layer": a2a_layer,
         "a2a_bytes_per_step": a2a_layer * L,
@@ -130,6 +158,10 @@ def main(argv=None):
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--swiglu", action="store_true")
     p.add_argument("--recompute", choices=["full"], default=None)
+    p.add_argument("--torch-adam", action="store_true",
+                   help="torch's foreach Adam (CPU, or no TE/Apex): its step's temporaries count (fused Adam's do not)")
+    p.add_argument("--loss-chunk-tokens", type=int, default=None)
+    p.add_argument("--mlp-chunk-tokens", type=int, default=None)
     p.add_argument("--use-distributed-optimizer", action="store_true")
     p.add_argument("--dp", type=int, default=1, help="data-parallel size (for the distributed optimizer)")
     p.add_argument("--budget-gb", type=float)
@@ -138,7 +170,8 @@ def main(argv=None):
     kw = dict(num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
               num_query_groups=a.num_query_groups, ffn_hidden_size=a.ffn_hidden_size, vocab_size=a.vocab_size,
               micro_batch_size=a.micro_batch_size, tp=a.tp, cp=a.cp, pp=a.pp, bf16=a.bf16,
-              recompute=a.recompute, swiglu=a.swiglu, distributed_optimizer=a.use_distributed_optimizer, dp=a.dp)
+              recompute=a.recompute, swiglu=a.swiglu, distributed_optimizer=a.use_distributed_optimizer, dp=a.dp,
+              loss_chunk_tokens=a.loss_chunk_tokens, mlp_chunk_tokens=a.mlp_chunk_tokens, torch_adam=a.torch_adam)
     est = estimate(seq_length=a.seq_length, ulysses=a.ulysses, **kw)
     out = {"estimate": est}
     if a.budget_gb:
@@ -152,8 +185,8 @@ def main(argv=None):
     gb = 1e9
     print(f"per rank at seq {a.seq_length}, tp {a.tp} x ulysses {a.ulysses} x cp {a.cp} x pp {a.pp}:")
     print(f"  weights {est['weights_bytes'] / gb:.2f} GB, grads {est['grads_bytes'] / gb:.2f} GB, "
-          f"Adam {est['optimizer_bytes'] / gb:.2f} GB, activations {est['activations_bytes'] / gb:.2f} GB "
-          f"-> {est['total_bytes'] / gb:.2f} GB")
+          f"Adam {est['optimizer_bytes'] / gb:.2f} GB, activations {est['activations_bytes'] / gb:.2f} GB, "
+          f"logits {est['loss_transient_bytes'] / gb:.2f} GB -> step peak {est['total_bytes'] / gb:.2f} GB")
     print(f"  tokens per rank {est['tokens_per_rank']}; all-to-all sent per rank: "
           f"{est['a2a_bytes_per_layer'] / 1e6:.1f} MB per layer, {est['a2a_bytes_per_step'] / gb:.2f} GB per micro-batch"
           + (f"; ring shifts {est['ring_bytes_per_layer'] / 1e6:.1f} MB per layer" if a.cp > 1 else ""))
