@@ -11,6 +11,9 @@ import torch.distributed as dist
 
 from tests.helpers import run_threaded
 
+CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="an in-process CPU world (Megatron's CUDA calls "
+                              "mapped to the CPU by cpu_compat); on GPU nodes the parity world covers it")
+
 
 def _reference(hidden, weight, labels):
     """Per-token cross-entropy in float64 over the full vocabulary."""
@@ -83,6 +86,7 @@ def test_chunked_cross_entropy_bf16_accumulates_in_fp32():
     assert (loss.double() - ref).abs().max() / ref.abs().max() < 1e-2
 
 
+@CPU_ONLY
 @pytest.mark.parametrize("gated", [False, True], ids=["gelu", "swiglu"])
 def test_tiled_mlp_equals_megatrons_mlp(gated):
     """Megatron's MLP vs the tiled one with the same weights (tp 1, one process): outputs and
@@ -134,6 +138,47 @@ def test_tiled_mlp_equals_megatrons_mlp(gated):
         assert widest(saved2) <= 3 * 2 * 128  # tiled: at most one chunk's (6 tokens = 3 rows of b 2) at a time
     finally:
         world()
+
+
+@CPU_ONLY
+@pytest.mark.parametrize("tp,chunk", [(2, 5), (4, 2)])
+def test_chunked_loss_under_sequence_parallelism(tp, chunk):
+    """The sequence-parallel input: each rank holds s/tp positions; Megatron's all-gather feeds the
+    chunks and its reduce-scatter returns each rank's hidden gradient.  Against float64 over the
+    whole sequence and vocabulary: every rank's loss [b, s], its hidden shard's and weight shard's
+    gradients."""
+    from ulysses_mcore.megatron import cpu_compat
+    from ulysses_mcore.megatron.memory import chunked_cross_entropy
+
+    g = torch.Generator().manual_seed(3)
+    s, b, h, V = 12, 2, 8, 24
+    hidden, weight = torch.randn(s, b, h, generator=g), torch.randn(V, h, generator=g)
+    labels, upstream = torch.randint(0, V, (b, s), generator=g), torch.rand(b, s, generator=g)
+    hr, wr = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    logits = torch.einsum("sbh,vh->bsv", hr, wr)
+    ref = torch.logsumexp(logits, -1) - logits.gather(2, labels[..., None]).squeeze(-1)
+    (ref * upstream.double()).sum().backward()
+
+    def rank_fn(rank, world):
+        Vl, sl = V // world, s // world
+        hd = hidden[rank * sl:(rank + 1) * sl].clone().requires_grad_()
+        wd = weight[rank * Vl:(rank + 1) * Vl].clone().requires_grad_()
+        loss = chunked_cross_entropy(hd, wd, labels, chunk, tp_group=dist.group.WORLD, vocab_start=rank * Vl,
+                                     sequence_parallel=True)
+        (loss * upstream).sum().backward()
+        return loss.detach(), hd.grad, wd.grad
+
+    cpu_compat.apply()  # Megatron's gather allocates on torch.cuda.current_device()
+    try:
+        out = run_threaded(tp, rank_fn)
+    finally:
+        cpu_compat.remove()
+    for loss, _, _ in out:
+        assert (loss.double() - ref).abs().max() / ref.abs().max() < 1e-6
+    grad_h = torch.cat([o[1] for o in out]).double()
+    assert (grad_h - hr.grad).abs().max() / hr.grad.abs().max() < 1e-5
+    grad_w = torch.cat([o[2] for o in out]).double()
+    assert (grad_w - wr.grad).abs().max() / wr.grad.abs().max() < 1e-5
 
 
 def _single_rank_megatron():
