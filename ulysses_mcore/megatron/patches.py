@@ -245,28 +245,20 @@ def _targets():
     for name, backend in SPEC_FUNCTIONS.items():
         if hasattr(specs, name):
             out.append((specs, name, lambda f, b=backend: _wrap_spec(f, b)))
-    for modname in ("megatron.training.arguments", "megatron.training.initialize"):
+    # megatron.training's names, where Megatron-LM (or the 0.19 wheel's megatron.training) is there.
+    # megatron-core >= 0.19's own GPT builder (megatron.training.models.gpt) forces Megatron's
+    # DotProductAttention into the spec when the attention backend is "local"; that name,
+    # rebound, gives Ulysses around the local (SDPA) kernel instead.
+    for modname, name, wrap in (("megatron.training.arguments", "validate_args", _wrap_validate),
+                                ("megatron.training.initialize", "validate_args", _wrap_validate),
+                                ("megatron.training.training", "setup_model_and_optimizer", _wrap_setup_model),
+                                ("megatron.training.models.gpt", "MCoreDotProductAttention", _local_core_attention)):
         try:
             mod = importlib.import_module(modname)
         except Exception:  # Megatron-LM (megatron.training) not installed: megatron-core alone
             continue
-        if hasattr(mod, "validate_args"):
-            out.append((mod, "validate_args", _wrap_validate))
-    try:
-        trainer = importlib.import_module("megatron.training.training")
-    except Exception:
-        trainer = None
-    if trainer is not None and hasattr(trainer, "setup_model_and_optimizer"):
-        out.append((trainer, "setup_model_and_optimizer", _wrap_setup_model))
-    # megatron-core >= 0.19's own GPT builder (megatron.training.models.gpt) forces Megatron's
-    # DotProductAttention into the spec when the attention backend is "local"; that name,
-    # rebound, gives Ulysses around the local (SDPA) kernel instead.
-    try:
-        builder = importlib.import_module("megatron.training.models.gpt")
-    except Exception:
-        builder = None
-    if builder is not None and hasattr(builder, "MCoreDotProductAttention"):
-        out.append((builder, "MCoreDotProductAttention", _local_core_attention))
+        if hasattr(mod, name):
+            out.append((mod, name, wrap))
     # modules that imported the patched functions by name (Megatron-LM's gpt_builders, the
     # 0.19 wheel's GPT model builder)
     import sys
