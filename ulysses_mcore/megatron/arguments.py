@@ -225,7 +225,7 @@ def validate(args, world_size: int):
             raise ValueError(f"--max-position-embeddings {positions} is below --seq-length {args.seq_length}: "
                              "learned absolute positions need one embedding per position; raise it to at least "
                              f"{args.seq_length}")
-    vocab = _padded_vocab(args)
+    vocab = padded_vocab(args)
     if vocab % args.tensor_model_parallel_size:
         raise ValueError(f"padded vocab {vocab} is not divisible by --tensor-model-parallel-size "
                          f"{args.tensor_model_parallel_size}: raise --make-vocab-size-divisible-by to a multiple "
@@ -254,11 +254,23 @@ def validate(args, world_size: int):
     return topo
 
 
-def _padded_vocab(args) -> int:
+def padded_vocab(args) -> int:
+    """The vocabulary padded to a multiple of --make-vocab-size-divisible-by (not x tp, unlike
+    Megatron-LM, so that checkpoints reshard across tp)."""
     from ulysses_mcore.megatron.data import ByteTokenizer
 
     m = args.make_vocab_size_divisible_by
     return int(math.ceil(ByteTokenizer().vocab_size / m) * m)
+
+
+def metrics_dir(args) -> str:
+    """Where metrics.csv goes: --log-dir, else --save, else runs/."""
+    return args.log_dir or args.save or "runs"
+
+
+def corpus_dir(args) -> str:
+    """Where the embedded corpus' indexed dataset is written without --data-path."""
+    return os.path.join(args.log_dir or "runs", "data")
 
 
 def output_dirs(args):
@@ -267,11 +279,10 @@ def output_dirs(args):
     out = []
     if args.save:
         out.append(("--save", args.save))
-    log_dir = args.log_dir or args.save or "runs"
-    out.append(("--log-dir" if args.log_dir else ("--save" if args.save else "--log-dir (default runs/)"), log_dir))
+    out.append(("--log-dir" if args.log_dir else ("--save" if args.save else "--log-dir (default runs/)"),
+                metrics_dir(args)))
     if args.data_path is None:
-        out.append(("--log-dir" if args.log_dir else "--log-dir (default runs/)",
-                    os.path.join(args.log_dir or "runs", "data")))
+        out.append(("--log-dir" if args.log_dir else "--log-dir (default runs/)", corpus_dir(args)))
     return out
 
 

@@ -28,7 +28,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .arguments import build_parser, check_output_dirs, validate  # noqa: F401 - build_parser: the public parser
+from .arguments import build_parser, check_output_dirs, corpus_dir, metrics_dir, padded_vocab, validate
 from .checkpoint import inspect_checkpoint, load_checkpoint, save_checkpoint, trim_metrics
 
 
@@ -132,7 +132,7 @@ def train(args, topo, use_cuda):
     tok = D.ByteTokenizer()
     prefix = args.data_path
     if prefix is None:
-        prefix = os.path.join(args.log_dir or "runs", "data", "kjv")
+        prefix = os.path.join(corpus_dir(args), "kjv")
         if rank == 0 and not os.path.exists(prefix + ".idx"):
             D.write_indexed_dataset(D.read_documents(D.EMBEDDED_CORPUS), prefix, tok, progress=False)
         dist.barrier()
@@ -149,7 +149,7 @@ def train(args, topo, use_cuda):
 
     # ---- model, optimizer, scheduler
     # padded independently of tp (unlike Megatron-LM), so checkpoints reshard across tp
-    vocab = int(math.ceil(tok.vocab_size / args.make_vocab_size_divisible_by) * args.make_vocab_size_divisible_by)
+    vocab = padded_vocab(args)
     te = args.transformer_impl == "transformer_engine"
     backend = args.attention_backend if args.attention_backend != "auto" else ("te" if te else "sdpa")
     ffn = args.ffn_hidden_size or (int((4 * args.hidden_size * 2 / 3) / 64) * 64 if args.swiglu
@@ -207,7 +207,7 @@ def train(args, topo, use_cuda):
     # ---- logging target: first rank of the last pipeline stage
     is_logger = (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
                  and dp_rank == 0 and ps.get_context_parallel_rank() == 0)
-    log_dir = args.log_dir or args.save or "runs"
+    log_dir = metrics_dir(args)
     writer = None
     if is_logger:
         os.makedirs(log_dir, exist_ok=True)
