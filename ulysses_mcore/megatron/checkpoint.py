@@ -72,7 +72,8 @@ def _gather(obj) -> list:
 
 # ------------------------------------------------------------------------ schedule
 def schedule_from_flags(args) -> dict:
-    """The scheduler state this command line builds (OptimizerParamScheduler's state_dict keys)."""
+    """The schedule this command line asks for: OptimizerParamScheduler's constructor keywords,
+    which are also its state_dict keys (the trainer builds the scheduler from it)."""
     G = args.global_batch_size
     return {"max_lr": args.lr, "min_lr": args.min_lr, "lr_warmup_steps": args.lr_warmup_iters * G,
             "lr_decay_steps": args.train_iters * G, "lr_decay_style": args.lr_decay_style,

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .arguments import build_parser, check_output_dirs, corpus_dir, metrics_dir, padded_vocab, validate
-from .checkpoint import inspect_checkpoint, load_checkpoint, save_checkpoint, trim_metrics
+from .checkpoint import inspect_checkpoint, load_checkpoint, save_checkpoint, schedule_from_flags, trim_metrics
 
 
 # ------------------------------------------------------------------------ main
@@ -185,10 +185,7 @@ def train(args, topo, use_cuda):
                                          adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
                                          adam_eps=args.adam_eps)
     scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters * G, lr_decay_steps=args.train_iters * G, lr_decay_style=args.lr_decay_style,
-        start_wd=args.weight_decay, end_wd=args.weight_decay, wd_incr_steps=args.train_iters * G,
-        wd_incr_style="constant",
+        optimizer, init_lr=0.0, **schedule_from_flags(args),  # the values a checkpoint's schedule is checked against
         override_opt_param_scheduler=args.override_opt_param_scheduler,
         use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
     )
