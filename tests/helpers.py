@@ -180,11 +180,17 @@ def reference_attention(
     softmax_scale: Optional[float] = None,
     attention_mask: Optional[torch.Tensor] = None,
     attention_bias: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
+    window_size=None,
+    softmax_offset: Optional[torch.Tensor] = None,
+    return_lse: bool = False,
+):
     """float64 attention on the full sequence, by hand: softmax(q k^T * scale + bias) v.
 
     GQA: query head ``i`` uses kv head ``i // (hq / hk)``.  Masked (True) positions are
-    excluded; a row with nothing allowed gives zeros."""
+    excluded; a row with nothing allowed gives zeros.  ``window_size=(left, right)``: key ``j``
+    allowed for query ``i`` iff ``i - left <= j <= i + right`` (-1 unbounded).
+    ``softmax_offset [hq]``: an extra score column per head (value 0), the sink.  ``return_lse``:
+    also the log-sum-exp of each row (sink included), ``[s, b, h]`` / ``[b, s, h]``."""
     to_bhsd = (lambda t: t.permute(1, 2, 0, 3)) if layout == "sbhd" else (lambda t: t.transpose(1, 2))
     qb, kb, vb = (to_bhsd(t).double() for t in (q, k, v))
     hq, hk = qb.shape[1], kb.shape[1]
@@ -198,14 +204,29 @@ def reference_attention(
     allowed = torch.ones(S, Sk, dtype=torch.bool)
     if causal:
         allowed = allowed.tril()
+    if window_size is not None:
+        i, j = torch.arange(S)[:, None], torch.arange(Sk)[None, :]
+        left, right = window_size
+        if left >= 0:
+            allowed = allowed & (j >= i - left)
+        if right >= 0:
+            allowed = allowed & (j <= i + right)
     allowed = allowed.expand_as(scores)
     if attention_mask is not None:
         allowed = allowed & ~attention_mask
     scores = scores.masked_fill(~allowed, float("-inf"))
+    if softmax_offset is not None:
+        sink = softmax_offset.double().view(1, hq, 1, 1).expand(*scores.shape[:3], 1)
+        scores = torch.cat([scores, sink], dim=-1)
+        vb = torch.cat([vb, vb.new_zeros(*vb.shape[:2], 1, vb.shape[-1])], dim=2)
+    lse = torch.logsumexp(scores, dim=-1)
     probs = torch.softmax(scores, dim=-1)
     probs = torch.nan_to_num(probs, nan=0.0)  # fully masked rows
     out = torch.einsum("bhqk,bhkd->bhqd", probs, vb)
-    return out.permute(2, 0, 1, 3) if layout == "sbhd" else out.transpose(1, 2)
+    out = out.permute(2, 0, 1, 3) if layout == "sbhd" else out.transpose(1, 2)
+    if return_lse:
+        return out, (lse.permute(2, 0, 1) if layout == "sbhd" else lse.transpose(1, 2))
+    return out
 
 
 def run_in_session(cmd, *, env, cwd, timeout: float, signal_when=None):

@@ -59,9 +59,9 @@ def bad_batch(rank, P):
     return kw
 
 
-def bad_head_dim(rank, P):
+def bad_head_dim(rank, P):  # the value's may differ (multi-latent attention); the key's may not
     kw = good(rank, P)
-    kw["value"] = t(S // P, d=D + 1)
+    kw["key"] = t(S // P, d=D + 1)
     return kw
 
 
@@ -89,7 +89,7 @@ CASES = {
     "dtype differs on rank 0": (bad_dtype_rank0, {}, ["one dtype", "rank 0", "float64", "cast"]),
     "device differs on rank 1": (bad_device_rank1, {}, ["one device", "rank 1", "meta"]),
     "batch differs": (bad_batch, {}, ["batch size", "2, 3, 3"]),
-    "head dim differs": (bad_head_dim, {}, ["head dim", "8, 8, 9"]),
+    "key head dim differs": (bad_head_dim, {}, ["query and key disagree in head dim", "8, 9"]),
     "3-D query": (bad_ndim, {}, ["query must be a 4-D", "3-D"]),
     "empty shard": (bad_empty, {}, ["empty", "length 0"]),
     "mask not full sequence": (bad_mask, {}, ["attention_mask", "full sequence", "[2, 1, 4, 16]"]),

@@ -87,8 +87,8 @@ def test_fused_and_matmul_blocks_agree(monkeypatch):
     """Unmasked fp32 CPU blocks take torch's fused flash kernel; the matmul form must match it."""
     from ulysses_mcore.ring import _Block
 
-    assert _Block((0, 8), (0, 8), True, 1.0, None, None).fused(torch.zeros(1))  # diagonal: fused
-    assert not _Block((0, 8), (0, 8), True, 1.0, torch.zeros(1, 1, 8, 8, dtype=torch.bool), None).fused(torch.zeros(1))
+    assert _Block((0, 8), (0, 8), (None, 0), 1.0, None, None).fused(torch.zeros(1))  # diagonal: fused
+    assert not _Block((0, 8), (0, 8), (None, 0), 1.0, torch.zeros(1, 1, 8, 8, dtype=torch.bool), None).fused(torch.zeros(1))
     fused = run_hybrid(2, 2, 32, 2, 4, 2, 8, "sbhd", True, "load_balanced")
     monkeypatch.setattr(ring_mod, "_CPU_FLASH", None)
     matmul = run_hybrid(2, 2, 32, 2, 4, 2, 8, "sbhd", True, "load_balanced")
@@ -172,7 +172,7 @@ def test_ring_collectives_and_block_skipping():
     assert (fwd, bwd) == (C - 1, 2 * C - 1)
     # dual-chunk order balances causal work: every rank computes the same number of blocks
     work = [sum(len(list(ring_mod._blocks(ring_segments(j, C, S, "load_balanced"),
-                                          ring_segments(src, C, S, "load_balanced"), True, 1.0, None, None, None)))
+                                          ring_segments(src, C, S, "load_balanced"), (None, 0), 1.0, None, None, None)))
                 for src in range(C)) for j in range(C)]
     assert len(set(work)) == 1, work
 

@@ -70,7 +70,7 @@ def bench_copies(dev, S, dtype):
         q, k, v = (torch.randn(S // P, 1, h, 128, device=dev, dtype=dtype) for h in (32, 8, 8))
         t_pack = timeit(lambda: exchange._pack_qkv(q, k, v, plan), dev)
         buf = exchange._pack_qkv(q, k, v, plan)[0].clone()
-        t_unpack = timeit(lambda: exchange._unpack_qkv_grad(buf, plan, S // P, 1, 128, k.shape), dev)
+        t_unpack = timeit(lambda: exchange._unpack_qkv_grad(buf, plan, S // P, 1, 128, 128, k.shape, v.shape), dev)
         nbytes = buf.numel() * buf.element_size()
         rows.append({"P": P, "seq": S, "bytes": nbytes, "pack_ms": t_pack * 1e3, "unpack_ms": t_unpack * 1e3,
                      "pack_GBps": 2 * nbytes / t_pack / 1e9, "unpack_GBps": 2 * nbytes / t_unpack / 1e9})

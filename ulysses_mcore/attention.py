@@ -7,13 +7,13 @@ Megatron-Core ``core_attention`` module built on it is
 
 from __future__ import annotations
 
-from typing import List, Optional, Union
+from typing import List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
-from .backends import Kernel, resolve
-from .exchange import HeadPlan, expand_kv, head_to_seq, seq_dim, seq_to_head
+from .backends import Kernel, has_window, resolve
+from .exchange import HeadPlan, expand_kv, head_to_seq, pack_lse, seq_dim, seq_to_head, unpack_lse
 from .validation import Validator
 
 VALIDATOR = Validator()  # the functional API's verdicts, cached per group and call signature
@@ -76,8 +76,12 @@ def ulysses_attention(
     ring_group=None,
     cu_seqlens: Optional[torch.Tensor] = None,
     seqlens: Optional[torch.Tensor] = None,
+    window_size: Optional[Tuple[int, int]] = None,
+    softmax_offset: Optional[torch.Tensor] = None,
+    return_lse: bool = False,
+    first_head: int = 0,
     validator: Optional[Validator] = None,
-) -> torch.Tensor:
+):
     """Exact attention over a sequence whose tokens are sharded contiguously over ``group``.
 
     Rank ``r`` of ``group`` (size ``P``) holds tokens ``r*s/P ... (r+1)*s/P - 1`` of every
@@ -113,6 +117,22 @@ def ulysses_attention(
     ``cu_seqlens_q`` vs ``cu_seqlens_q_padded``); pad tokens are neither queries nor keys and
     get zero output.
 
+    ``value`` may have another head dim than ``query``/``key`` (multi-latent attention, e.g. 192
+    vs 128): the output has the value's.  ``attention_mask`` / ``attention_bias`` may broadcast
+    over batch, heads and query rows (``[1, 1, 1, s]``, ``[b, 1, 1, s]``): never expanded.
+
+    ``window_size=(left, right)``: sliding-window attention as Megatron, Transformer Engine and
+    flash-attn define it (query ``i`` sees keys ``i-left .. i+right``, -1 unbounded; with
+    ``causal`` the right reach is 0).  ``softmax_offset [hq]``: attention sinks, one logit per
+    query head (of the heads in ``query``; zeros = "off-by-one", a parameter = "learnable"),
+    differentiable; each rank's gradient covers its own queries (sum over the group, as
+    Megatron's DDP does for replicated weights).  Kernels are told which global heads they hold:
+    ``heads=(first_head + lo, first_head + hi)`` (``first_head``: index of ``query``'s head 0 in
+    the model, e.g. the tensor-parallel rank x heads per rank).  ``return_lse=True``: returns
+    ``(out, lse)``, the log-sum-exp of every query row in the output's layout without the last dim
+    (``[s/P, b, hq]`` for ``sbhd``), float32 (float64 for float64 inputs), differentiable; it
+    travels in the output's all-to-all (bit-cast into extra columns), so still one collective.
+
     Collectives in steady state: forward 2 all_to_all_single, backward 2; a ring adds ``C-1``
     shifts forward and ``2C-1`` backward.  ``group=None`` or a group of size 1 runs the kernel
     directly.
@@ -127,7 +147,8 @@ def ulysses_attention(
             query, key, value, group=group, ring_group=ring_group, degree=degree, ring=ring, layout=layout,
             backend=backend, causal=causal, softmax_scale=softmax_scale, attention_mask=attention_mask,
             attention_bias=attention_bias, dropout_p=dropout_p, token_order=token_order,
-            overlap_chunks=overlap_chunks, cu_seqlens=cu_seqlens, seqlens=seqlens)
+            overlap_chunks=overlap_chunks, cu_seqlens=cu_seqlens, seqlens=seqlens, window_size=window_size,
+            softmax_offset=softmax_offset, return_lse=return_lse)
     thd = layout == "thd"
     if thd:
         query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
@@ -139,28 +160,43 @@ def ulysses_attention(
             kw[name] = val
     if dropout_p:
         kw["dropout_p"] = dropout_p
+    if has_window(window_size):
+        kw["window_size"] = tuple(window_size)
+    if return_lse:
+        kw["return_lse"] = True
     kernel = _ring_kernel(backend, ring_group, token_order) if ring > 1 else resolve(backend)
     if degree == 1:
+        kw["heads"] = (first_head, first_head + query.shape[2])
+        if softmax_offset is not None:
+            kw["softmax_offset"] = softmax_offset
         out = kernel(query, key, value, **kw)
     else:
         out = _exchange_and_attend(query, key, value, group, degree, layout, kernel, kw, token_order,
-                                   overlap_chunks, cu_seqlens)
-    return out.squeeze(1) if thd else out
+                                   overlap_chunks, cu_seqlens, softmax_offset, first_head)
+    if thd:
+        return (out[0].squeeze(1), out[1].squeeze(1)) if return_lse else out.squeeze(1)
+    return out
 
 
-def _exchange_and_attend(query, key, value, group, degree, layout, kernel, kw, token_order, chunks, cu):
+def _exchange_and_attend(query, key, value, group, degree, layout, kernel, kw, token_order, chunks, cu,
+                         offset, first):
     rank = dist.get_rank(group)
     plan = HeadPlan(query.shape[2], key.shape[2], degree)
     to_natural, to_received = _token_orders(token_order, degree, cu, query.device, seq_dim(layout))
 
     def run_kernel(q, k, v, first_head, num_heads):
-        kwc = dict(kw)
+        kwc = dict(kw, heads=(first + first_head, first + first_head + num_heads))
         for name in ("attention_mask", "attention_bias"):
             t = kwc.get(name)
             if t is not None and t.shape[1] != 1:
                 kwc[name] = t[:, first_head:first_head + num_heads]
+        if offset is not None:  # this rank's heads' sinks: autograd routes their gradient back
+            kwc["softmax_offset"] = offset[first_head:first_head + num_heads]
         q, k, v = (to_natural(t) for t in (q, k, v))
-        return to_received(kernel(q, k, v, **kwc))
+        res = kernel(q, k, v, **kwc)
+        if kw.get("return_lse"):
+            return to_received(res[0]), to_received(res[1])
+        return to_received(res)
 
     if chunks > 1:
         from .overlap import OverlappedUlysses
@@ -173,6 +209,10 @@ def _exchange_and_attend(query, key, value, group, degree, layout, kernel, kw, t
     k, v = expand_kv(k, plan, rank), expand_kv(v, plan, rank)
     lo, hi = plan.q_range(rank)
     out = run_kernel(q, k, v, lo, hi - lo)
+    if kw.get("return_lse"):  # the lse rides in the output's all-to-all, bit-cast into extra columns
+        out, lse = out
+        dv = out.shape[-1]
+        return unpack_lse(head_to_seq(pack_lse(out, lse), group, plan, layout, rank), dv, lse.dtype)
     return head_to_seq(out, group, plan, layout, rank)
 
 
@@ -226,9 +266,11 @@ def _ring_kernel(backend, ring_group, token_order: str) -> Kernel:
     from .ring import ring_attention
 
     def lse_ring(q, k, v, *, causal, softmax_scale=None, layout="sbhd", attention_mask=None,
-                 attention_bias=None, cu_seqlens=None, seqlens=None):
+                 attention_bias=None, cu_seqlens=None, seqlens=None, window_size=None, softmax_offset=None,
+                 return_lse=False, heads=None):
         return ring_attention(q, k, v, group=ring_group, causal=causal, softmax_scale=softmax_scale,
                               layout=layout, token_order=token_order, attention_mask=attention_mask,
-                              attention_bias=attention_bias, cu_seqlens=cu_seqlens)
+                              attention_bias=attention_bias, cu_seqlens=cu_seqlens, window_size=window_size,
+                              softmax_offset=softmax_offset, return_lse=return_lse)
 
     return lse_ring

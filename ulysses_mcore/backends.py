@@ -9,7 +9,9 @@ job), and returns the output in the same layout.  Nothing here knows about ranks
 * ``flash`` -- flash-attn 2/3 ``flash_attn_func`` (CUDA, fp16/bf16, causal or none).
 * ``te``    -- Transformer Engine ``DotProductAttention`` with its own context
   parallelism off (CUDA).
-* any callable ``(q, k, v, *, causal, softmax_scale) -> out``.
+* any callable ``(q, k, v, *, causal, softmax_scale) -> out``; one that declares ``heads``
+  receives the global ``(first, last + 1)`` query heads it holds (to index its own per-head
+  parameters), and ``window_size`` / ``softmax_offset`` / ``return_lse`` when it declares them.
 
 Megatron's mask convention is kept: a boolean ``attention_mask`` is True where attention
 is *not* allowed, broadcastable to ``[b, hq, S, S]``.  A query row with no allowed key
@@ -19,13 +21,26 @@ gives a zero output row (torch's convention).
 from __future__ import annotations
 
 import importlib.util
-from typing import Callable, Optional, Union
+import inspect
+from typing import Callable, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 
 BUILTIN_BACKENDS = ("sdpa", "flash", "te")
 Kernel = Callable[..., torch.Tensor]
+
+
+LSE_TILE = 512  # tokens per tile of the log-sum-exp kernel: scores held at once are [b, h, 512, 512]
+
+
+def has_window(window_size) -> bool:
+    return window_size is not None and tuple(window_size) != (-1, -1)
+
+
+def needs_lse_kernel(q, v, window_size=None, softmax_offset=None, return_lse=False) -> bool:
+    """Whether the ``sdpa`` backend runs the tiled log-sum-exp kernel instead of SDPA."""
+    return has_window(window_size) or softmax_offset is not None or bool(return_lse)
 
 
 def _to_bhsd(x: torch.Tensor, layout: str) -> torch.Tensor:
@@ -49,12 +64,31 @@ def sdpa_attention(
     dropout_p: float = 0.0,
     cu_seqlens: Optional[torch.Tensor] = None,
     seqlens: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
+    window_size: Optional[Tuple[int, int]] = None,
+    softmax_offset: Optional[torch.Tensor] = None,
+    return_lse: bool = False,
+    heads: Optional[Tuple[int, int]] = None,
+):
     """Scaled dot-product attention in ``layout``; zero-copy views in and out.
 
     ``cu_seqlens`` (packed documents, ``sbhd`` with b = 1): one SDPA call per document, so
     memory follows the longest document, never the whole stream squared.  ``seqlens``: real
-    lengths inside padded slots; pad tokens are neither queries nor keys (zero output)."""
+    lengths inside padded slots; pad tokens are neither queries nor keys (zero output).
+
+    What SDPA cannot express -- ``window_size=(left, right)``, ``softmax_offset`` (per-head sink
+    logits, ``[hq]`` of the heads given here), ``return_lse`` (then ``(out, lse)``), a value head
+    dim other than the query's -- runs through the tiled log-sum-exp kernel
+    (:func:`ulysses_mcore.ring.ring_attention` without a ring): exact, memory ``O(s x tile)``,
+    tiles outside the window skipped.  ``heads``: the global query heads held (unused here)."""
+    if needs_lse_kernel(q, v, window_size, softmax_offset, return_lse):
+        from .ring import ring_attention
+
+        if dropout_p:
+            raise ValueError("dropout_p > 0 does not combine with window_size / softmax_offset / return_lse")
+        return ring_attention(q, k, v, group=None, causal=causal, softmax_scale=softmax_scale, layout=layout,
+                              attention_mask=attention_mask, attention_bias=attention_bias, cu_seqlens=cu_seqlens,
+                              window_size=window_size, softmax_offset=softmax_offset, return_lse=return_lse,
+                              tile=LSE_TILE)
     if cu_seqlens is not None:
         return _sdpa_varlen(q, k, v, cu_seqlens, seqlens, causal=causal, softmax_scale=softmax_scale,
                             dropout_p=dropout_p)
@@ -128,17 +162,20 @@ def flash_attention(q, k, v, *, causal, softmax_scale=None, layout="sbhd", dropo
         if lens is not None:  # padded documents: the real tokens packed tight, run, put back
             rows, tight = _real_rows(cu, lens, q.device)
             inner = flash_attention(q.index_select(0, rows), k.index_select(0, rows), v.index_select(0, rows),
-                                    causal=causal, softmax_scale=softmax_scale, dropout_p=dropout_p, cu_seqlens=tight)
+                                    causal=causal, softmax_scale=softmax_scale, dropout_p=dropout_p, cu_seqlens=tight,
+                                    window_size=kw.get("window_size"))
             return q.new_zeros(q.shape[0], *inner.shape[1:]).index_copy(0, rows, inner)
         cu32, maxlen = _varlen_args(cu, q.device)
+        window = tuple(kw["window_size"]) if has_window(kw.get("window_size")) else (-1, -1)
         out = flash_attn_varlen_func(q[:, 0], k[:, 0], v[:, 0], cu32, cu32, maxlen, maxlen, dropout_p,
-                                     softmax_scale=softmax_scale, causal=causal)
+                                     softmax_scale=softmax_scale, causal=causal, window_size=window)
         return out.unsqueeze(1)
     if kw.get("attention_mask") is not None or kw.get("attention_bias") is not None:
         raise ValueError(
             "backend='flash' supports causal or no mask only; got an attention_mask or "
             "attention_bias: use backend='sdpa' (or 'te') for masks and bias"
         )
+    window = tuple(kw["window_size"]) if has_window(kw.get("window_size")) else (-1, -1)
     try:
         from flash_attn_interface import flash_attn_func  # flash-attn 3 (Hopper)
 
@@ -150,10 +187,10 @@ def flash_attention(q, k, v, *, causal, softmax_scale=None, layout="sbhd", dropo
     to_bshd = (lambda t: t.transpose(0, 1)) if layout == "sbhd" else (lambda t: t)
     qb, kb, vb = (to_bshd(t) for t in (q, k, v))
     if fa3:
-        out = flash_attn_func(qb, kb, vb, softmax_scale=softmax_scale, causal=causal)
+        out = flash_attn_func(qb, kb, vb, softmax_scale=softmax_scale, causal=causal, window_size=window)
         out = out[0] if isinstance(out, tuple) else out
     else:
-        out = flash_attn_func(qb, kb, vb, dropout_p, softmax_scale=softmax_scale, causal=causal)
+        out = flash_attn_func(qb, kb, vb, dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window)
     return to_bshd(out)
 
 
@@ -169,7 +206,8 @@ def te_attention(q, k, v, *, causal, softmax_scale=None, layout="sbhd", dropout_
 
     mask, bias = kw.get("attention_mask"), kw.get("attention_bias")
     ring, cu = kw.get("ring_group"), kw.get("cu_seqlens")
-    hq, hk, d = q.shape[2], k.shape[2], q.shape[3]
+    hq, hk, d, dv = q.shape[2], k.shape[2], q.shape[3], v.shape[3]
+    window = tuple(kw["window_size"]) if has_window(kw.get("window_size")) else None
     if cu is not None:
         mask_type = "padding_causal" if causal else "padding"
     elif mask is not None:
@@ -177,13 +215,14 @@ def te_attention(q, k, v, *, causal, softmax_scale=None, layout="sbhd", dropout_
     else:
         mask_type = "causal" if causal else "no_mask"
     fmt = "thd" if cu is not None else layout
-    key = (hq, hk, d, softmax_scale, fmt, mask_type, dropout_p, q.device, ring)
+    key = (hq, hk, d, dv, softmax_scale, fmt, mask_type, dropout_p, q.device, ring, window)
     mod = _TE_CACHE.get(key)
     if mod is None:
         mod = te.DotProductAttention(
             num_attention_heads=hq,
-            kv_channels=d,
+            kv_channels=d if d == dv else (d, dv),  # MLA: value heads of another size
             num_gqa_groups=hk,
+            window_size=window,
             attention_dropout=dropout_p,
             qkv_format=fmt,
             attn_mask_type=mask_type,
@@ -206,9 +245,9 @@ def te_attention(q, k, v, *, causal, softmax_scale=None, layout="sbhd", dropout_
             cu32 = real
         out = mod(q[:, 0], k[:, 0], v[:, 0], attn_mask_type=mask_type, cu_seqlens_q=cu32, cu_seqlens_kv=cu32,
                   max_seqlen_q=maxlen, max_seqlen_kv=maxlen, **pad)
-        return out.view(q.shape[0], 1, hq, d)
+        return out.view(q.shape[0], 1, hq, dv)
     out = mod(q, k, v, attention_mask=mask, attn_mask_type=mask_type, **extra)
-    return out.view(*q.shape[:2], hq, d)
+    return out.view(*q.shape[:2], hq, dv)
 
 
 def is_installed(name: str) -> bool:
@@ -243,6 +282,29 @@ def backend_error(backend) -> Optional[str]:
     return None
 
 
+CALLABLE_OPTIONS = ("window_size", "softmax_offset", "return_lse")
+
+
+def _option_set(name, val) -> bool:
+    if name == "window_size":
+        return has_window(val)
+    return val is not None and val is not False
+
+
+def callable_accepts(fn, name: str) -> bool:
+    """Whether a callable backend declares keyword ``name`` (or ``**kwargs``)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def callable_option_error(name: str) -> str:
+    return (f"{name} is set but the callable backend does not take a {name!r} keyword: declare it "
+            f"(q, k, v, *, causal, softmax_scale, {name}, heads=None) or use backend='sdpa'")
+
+
 def resolve(backend: Union[str, Kernel]) -> Kernel:
     """The kernel for ``backend`` (call :func:`backend_error` first for a clean message)."""
     err = backend_error(backend)
@@ -259,7 +321,15 @@ def resolve(backend: Union[str, Kernel]) -> Kernel:
                     "a callable backend takes (q, k, v, *, causal, softmax_scale) only: "
                     "masks, bias and dropout need backend='sdpa' or 'te'"
                 )
-            return user(q, k, v, causal=causal, softmax_scale=softmax_scale)
+            extra = {}
+            for name in CALLABLE_OPTIONS:
+                if _option_set(name, kw.get(name)):
+                    if not callable_accepts(user, name):
+                        raise ValueError(callable_option_error(name))
+                    extra[name] = kw[name]
+            if kw.get("heads") is not None and callable_accepts(user, "heads"):
+                extra["heads"] = kw["heads"]  # the global query heads this call holds
+            return user(q, k, v, causal=causal, softmax_scale=softmax_scale, **extra)
 
         return call_user
     return {"sdpa": sdpa_attention, "flash": flash_attention, "te": te_attention}[backend]

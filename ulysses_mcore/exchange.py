@@ -204,11 +204,11 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, group, out_splits=None, in_
 
 
 def _recv_as_layout(recv: torch.Tensor, layout: str) -> torch.Tensor:
-    """``[P, A, B, n, d]`` received by source rank -> the full-sequence tensor in ``layout``."""
-    P, A, B, n, d = recv.shape
+    """``[P, A, B, ...]`` received by source rank -> the full-sequence tensor in ``layout``."""
+    P, A, B, *rest = recv.shape
     if seq_dim(layout) == 0:
-        return recv.view(P * A, B, n, d)  # source-major == token order: a view
-    return recv.transpose(0, 1).reshape(A, P * B, n, d)  # a copy unless b == 1
+        return recv.view(P * A, B, *rest)  # source-major == token order: a view
+    return recv.transpose(0, 1).reshape(A, P * B, *rest)  # a copy unless b == 1
 
 
 def _layout_as_chunks(x: torch.Tensor, layout: str, P: int) -> torch.Tensor:
@@ -235,66 +235,84 @@ def _splits(plan: HeadPlan, heads_of, A, B, d) -> List[int]:
     return [A * B * heads_of(j) * d for j in range(plan.degree)]
 
 
-def _dest_blocks(buf: torch.Tensor, plan: HeadPlan, A, B, d):
+# A q/k/v block for one rank is, per (token, batch) row, its nq query heads (head dim dq), then its
+# nk key heads (dq), then its nk value heads (dv; dv != dq for multi-latent attention): W elements.
+def _widths(nq: int, nk: int, dq: int, dv: int):
+    """``[(start, heads, head dim)]`` of the q, k and v parts of a row, and the row width W."""
+    parts = [(0, nq, dq), (nq * dq, nk, dq), (nq * dq + nk * dq, nk, dv)]
+    return parts, nq * dq + nk * (dq + dv)
+
+
+def _part(buf: torch.Tensor, start: int, heads: int, d: int) -> torch.Tensor:
+    """A ``[..., heads, d]`` view of columns ``start .. start + heads*d`` of a ``[..., W]`` buffer."""
+    return buf[..., start:start + heads * d].unflatten(-1, (heads, d))
+
+
+def _width_of_rank(plan: HeadPlan, j: int, dq: int, dv: int) -> int:
+    return _widths(plan.q_count(j), plan.kv_count(j), dq, dv)[1]
+
+
+def _dest_blocks(buf: torch.Tensor, plan: HeadPlan, A, B, dq, dv):
     """The per-destination blocks of a flat q/k/v buffer in rank order: for each rank j,
-    (block ``[A, B, nq_j + 2 nk_j, d]``, its query-head range, its kv-head range)."""
+    (its q, k, v parts ``[A, B, n, d]``, its query-head range, its kv-head range)."""
     flat, off = buf.view(-1), 0
     for j in range(plan.degree):
-        n = A * B * plan.chunk_heads(j) * d
-        yield flat[off:off + n].view(A, B, plan.chunk_heads(j), d), plan.q_range(j), plan.kv_range(j)
-        off += n
+        parts, W = _widths(plan.q_count(j), plan.kv_count(j), dq, dv)
+        blk = flat[off:off + A * B * W].view(A, B, W)
+        yield [_part(blk, *p) for p in parts], plan.q_range(j), plan.kv_range(j)
+        off += A * B * W
 
 
 def _pack_qkv(q, k, v, plan: HeadPlan) -> Tuple[torch.Tensor, Optional[List[int]]]:
     """One pass into the send buffer: block j = rank j's q heads, then its k, v heads.
     Returns the buffer and the per-destination split sizes (None when uniform)."""
     P = plan.degree
-    A, B, _, d = q.shape
+    A, B, _, dq = q.shape
+    dv = v.shape[3]
     if plan.regular:
         qn, kn = plan.q_count(0), plan.kv_count(0)
-        send = POOL.take((P, A, B, qn + 2 * kn, d), q.dtype, q.device)
-        send[..., :qn, :].copy_(q.unflatten(2, (P, qn)).permute(2, 0, 1, 3, 4))
-        for off, t in ((qn, k), (qn + kn, v)):
+        (pq, pk, pv), W = _widths(qn, kn, dq, dv)
+        send = POOL.take((P, A, B, W), q.dtype, q.device)
+        _part(send, *pq).copy_(q.unflatten(2, (P, qn)).permute(2, 0, 1, 3, 4))
+        for (start, _, d), t in ((pk, k), (pv, v)):
             if plan.kv_replicas == 1:
-                send[..., off:off + kn, :].copy_(t.unflatten(2, (P, kn)).permute(2, 0, 1, 3, 4))
+                _part(send, start, kn, d).copy_(t.unflatten(2, (P, kn)).permute(2, 0, 1, 3, 4))
             else:  # each kv head goes to kv_replicas consecutive ranks
                 hk, rep = plan.num_kv_heads, plan.kv_replicas
-                dst = send.view(hk, rep, A, B, qn + 2 * kn, d)[..., off:off + 1, :]
-                dst.copy_(t.permute(2, 0, 1, 3)[:, None, :, :, None, :].expand_as(dst))
+                dst = send.view(hk, rep, A, B, W)[..., start:start + d]
+                dst.copy_(t.permute(2, 0, 1, 3)[:, None].expand_as(dst))
         return send, None
-    sizes = _splits(plan, plan.chunk_heads, A, B, d)
+    sizes = [A * B * _width_of_rank(plan, j, dq, dv) for j in range(P)]
     send = POOL.take((sum(sizes),), q.dtype, q.device)
-    for blk, (qlo, qhi), (klo, khi) in _dest_blocks(send, plan, A, B, d):
-        nq, nk = qhi - qlo, khi - klo
-        blk[:, :, :nq].copy_(q[:, :, qlo:qhi])
-        blk[:, :, nq:nq + nk].copy_(k[:, :, klo:khi])
-        blk[:, :, nq + nk:].copy_(v[:, :, klo:khi])
+    for (bq, bk, bv), (qlo, qhi), (klo, khi) in _dest_blocks(send, plan, A, B, dq, dv):
+        bq.copy_(q[:, :, qlo:qhi])
+        bk.copy_(k[:, :, klo:khi])
+        bv.copy_(v[:, :, klo:khi])
     return send, (None if plan.uniform else sizes)
 
 
-def _unpack_qkv_grad(recv: torch.Tensor, plan: HeadPlan, A, B, d, kshape):
+def _unpack_qkv_grad(recv: torch.Tensor, plan: HeadPlan, A, B, dq, dv, kshape, vshape):
     """Inverse of :func:`_pack_qkv` for gradients: copies of a kv head are summed."""
     P = plan.degree
     if plan.regular:
         qn, kn = plan.q_count(0), plan.kv_count(0)
-        buf = recv.view(P, A, B, qn + 2 * kn, d)
-        out = [_fresh(buf[..., :qn, :].permute(1, 2, 0, 3, 4), (A, B, P * qn, d))]
-        for off in (qn, qn + kn):
-            part = buf[..., off:off + kn, :]
+        (pq, pk, pv), W = _widths(qn, kn, dq, dv)
+        buf = recv.view(P, A, B, W)
+        out = [_fresh(_part(buf, *pq).permute(1, 2, 0, 3, 4), (A, B, P * qn, dq))]
+        for start, _, d in (pk, pv):
             if plan.kv_replicas == 1:
-                out.append(_fresh(part.permute(1, 2, 0, 3, 4), (A, B, P * kn, d)))
+                out.append(_fresh(_part(buf, start, kn, d).permute(1, 2, 0, 3, 4), (A, B, P * kn, d)))
             else:
-                summed = part.reshape(plan.num_kv_heads, plan.kv_replicas, A, B, d).sum(1)
+                summed = buf[..., start:start + d].reshape(plan.num_kv_heads, plan.kv_replicas, A, B, d).sum(1)
                 out.append(summed.permute(1, 2, 0, 3).contiguous())
         return tuple(out)
-    dq = recv.new_empty(A, B, plan.num_q_heads, d)
-    dk, dv = recv.new_zeros(kshape), recv.new_zeros(kshape)
-    for blk, (qlo, qhi), (klo, khi) in _dest_blocks(recv, plan, A, B, d):
-        nq, nk = qhi - qlo, khi - klo
-        dq[:, :, qlo:qhi] = blk[:, :, :nq]
-        dk[:, :, klo:khi] += blk[:, :, nq:nq + nk]
-        dv[:, :, klo:khi] += blk[:, :, nq + nk:]
-    return dq, dk, dv
+    gq = recv.new_empty(A, B, plan.num_q_heads, dq)
+    gk, gv = recv.new_zeros(kshape), recv.new_zeros(vshape)
+    for (bq, bk, bv), (qlo, qhi), (klo, khi) in _dest_blocks(recv, plan, A, B, dq, dv):
+        gq[:, :, qlo:qhi] = bq
+        gk[:, :, klo:khi] += bk
+        gv[:, :, klo:khi] += bv
+    return gq, gk, gv
 
 
 # ----------------------------------------------------------------------------- autograd pair
@@ -304,46 +322,48 @@ class SeqToHead(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, plan: HeadPlan, layout: str, rank: int):
         P = plan.degree
-        A, B, _, d = q.shape
-        ctx.group, ctx.plan, ctx.layout, ctx.rank, ctx.kshape = group, plan, layout, rank, k.shape
+        A, B, _, dq = q.shape
+        dv = v.shape[3]
+        ctx.group, ctx.plan, ctx.layout, ctx.rank = group, plan, layout, rank
+        ctx.kshape, ctx.vshape, ctx.dims = k.shape, v.shape, (dq, dv)
         # 1. one copy: q, k, v -> one send buffer, block j holding rank j's heads
         send, sizes = _pack_qkv(q, k, v, plan)
-        n_me = plan.chunk_heads(rank)
-        recv = POOL.take((P, A, B, n_me, d), q.dtype, q.device)
+        parts, W = _widths(plan.q_count(rank), plan.kv_count(rank), dq, dv)
+        recv = POOL.take((P, A, B, W), q.dtype, q.device)
         # 2. one collective
-        all_to_all(recv, send, group, None if sizes is None else [A * B * n_me * d] * P, sizes)
+        all_to_all(recv, send, group, None if sizes is None else [A * B * W] * P, sizes)
         ctx.sizes = sizes
         # 3. the received buffer is the full sequence (sbhd: a view; bshd: one copy if b > 1)
         full = _recv_as_layout(recv, layout)
-        nq, nk = plan.q_count(rank), plan.kv_count(rank)
-        return full[:, :, :nq], full[:, :, nq:nq + nk], full[:, :, nq + nk:]
+        return tuple(_part(full, *p) for p in parts)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, gq, gk, gv):
         plan, layout, rank, P = ctx.plan, ctx.layout, ctx.rank, ctx.plan.degree
+        dq, dv = ctx.dims
         ref = next(g for g in (gq, gk, gv) if g is not None)
-        nq, nk = plan.q_count(rank), plan.kv_count(rank)
+        parts, W = _widths(plan.q_count(rank), plan.kv_count(rank), dq, dv)
         sd = seq_dim(layout)
-        A, B, d = ref.shape[0], ref.shape[1], ref.shape[3]
+        A, B = ref.shape[0], ref.shape[1]
         if sd == 0:
             A //= P
         else:
             B //= P
-        buf = POOL.take((P, A, B, nq + 2 * nk, d), ref.dtype, ref.device)
+        buf = POOL.take((P, A, B, W), ref.dtype, ref.device)
         # 1. one copy: the three gradients into the layout the forward received
-        for g, lo, hi in ((gq, 0, nq), (gk, nq, nq + nk), (gv, nq + nk, nq + 2 * nk)):
+        for g, p in zip((gq, gk, gv), parts):
             if g is None:
-                buf[..., lo:hi, :].zero_()
+                _part(buf, *p).zero_()
             else:
-                buf[..., lo:hi, :].copy_(_chunks_of_full(g, layout, P))
+                _part(buf, *p).copy_(_chunks_of_full(g, layout, P))
         # 2. one collective (the inverse permutation of the forward's)
         sizes = ctx.sizes
-        recv = POOL.take((sum(sizes),) if sizes else (P, A, B, nq + 2 * nk, d), ref.dtype, ref.device)
-        all_to_all(recv, buf, ctx.group, sizes, None if sizes is None else [A * B * (nq + 2 * nk) * d] * P)
+        recv = POOL.take((sum(sizes),) if sizes else (P, A, B, W), ref.dtype, ref.device)
+        all_to_all(recv, buf, ctx.group, sizes, None if sizes is None else [A * B * W] * P)
         # 3. one copy back to [A, B, h, d]; copies of a kv head summed
-        dq, dk, dv = _unpack_qkv_grad(recv, plan, A, B, d, ctx.kshape)
-        return dq, dk, dv, None, None, None, None
+        gq, gk, gv = _unpack_qkv_grad(recv, plan, A, B, dq, dv, ctx.kshape, ctx.vshape)
+        return gq, gk, gv, None, None, None, None
 
 
 class HeadToSeq(torch.autograd.Function):
@@ -406,6 +426,47 @@ def expand_kv(t: torch.Tensor, plan: HeadPlan, rank: int) -> torch.Tensor:
     """One kv head per local query head, when the local heads are not an ordinary GQA layout."""
     idx = plan.kv_index_for_q(rank)
     return t if idx is None else t.index_select(2, torch.tensor(idx, device=t.device))
+
+
+class _PackLse(torch.autograd.Function):
+    """``out [..., dv]`` and ``lse [...]`` -> ``[..., dv + m]`` in out's dtype, the lse bit-cast into
+    ``m`` columns (2 for a float32 lse beside bf16/fp16, else 1): the all-to-all only moves bits."""
+
+    @staticmethod
+    def forward(ctx, out, lse):
+        ctx.dv, ctx.lse_dtype = out.shape[-1], lse.dtype
+        return torch.cat([out, lse.contiguous().unsqueeze(-1).view(out.dtype)], dim=-1)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g[..., :ctx.dv], g[..., ctx.dv:].contiguous().view(ctx.lse_dtype).squeeze(-1)
+
+
+class _UnpackLse(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, packed, dv, lse_dtype):
+        ctx.dtype, ctx.dv, ctx.lse_dtype = packed.dtype, dv, lse_dtype
+        ctx.set_materialize_grads(False)
+        return packed[..., :dv], packed[..., dv:].contiguous().view(lse_dtype).squeeze(-1)
+
+    @staticmethod
+    def backward(ctx, gout, glse):
+        if gout is None and glse is None:
+            return None, None, None
+        if gout is None:
+            gout = torch.zeros((*glse.shape, ctx.dv), dtype=ctx.dtype, device=glse.device)
+        if glse is None:
+            glse = torch.zeros(gout.shape[:-1], dtype=ctx.lse_dtype, device=gout.device)
+        return torch.cat([gout, glse.contiguous().unsqueeze(-1).view(ctx.dtype)], dim=-1), None, None
+
+
+def pack_lse(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    return _PackLse.apply(out, lse)
+
+
+def unpack_lse(packed: torch.Tensor, dv: int, lse_dtype: torch.dtype):
+    """Inverse of :func:`pack_lse`: ``(out [..., dv], lse [...])``, both differentiable."""
+    return _UnpackLse.apply(packed, dv, lse_dtype)
 
 
 # ----------------------------------------------------------------------------- references

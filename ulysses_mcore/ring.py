@@ -31,6 +31,15 @@ one last shift that brings each block's gradient home.
 
 The shift is an ``all_to_all_single`` with split sizes (send to the next rank, receive from
 the previous one): one primitive that gloo, NCCL and the threaded test backend all have.
+
+The same engine (:class:`LseAttention`, ``group=None``) is the ``sdpa`` backend's kernel for what
+SDPA cannot express: a sliding window ``(left, right)`` (segments cut into tiles, tiles outside
+the window never computed, so memory is ``O(s x tile)`` instead of ``O(s^2)``), attention sinks
+(one extra key per head whose score is the sink logit and whose value is 0: the final
+``lse' = logaddexp(lse, sink)``, ``out' = out * exp(lse - lse')``; the backward is unchanged
+given the final out and lse, plus ``d sink = -sum_i exp(sink - lse'_i) D_i``), value heads of
+another size than query/key heads (MLA), and the log-sum-exp as a differentiable output
+(``d lse_i / d s_ij = p_ij``: the row term ``D_i`` becomes ``D_i - dlse_i``).
 """
 
 from __future__ import annotations
@@ -78,12 +87,40 @@ def _wait(work):
         work.wait()
 
 
+Window = Tuple[Optional[int], Optional[int]]  # (left, right) reach; None = unbounded
+
+
+def attention_window(causal: bool, window_size) -> Window:
+    """The keys a query may see, ``i - left <= j <= i + right`` (Megatron's / TE's / flash-attn's
+    ``window_size`` convention, -1 = unbounded), with causality folded in as ``right <= 0``."""
+    left, right = window_size if window_size is not None else (-1, -1)
+    left = None if left < 0 else left
+    right = None if right < 0 else right
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    return left, right
+
+
+def tile_segments(segs: Segments, tile: Optional[int]) -> Segments:
+    """Segments cut into pieces of at most ``tile`` tokens (``None``: as they are)."""
+    if not tile:
+        return segs
+    return [(s + a, min(tile, n - a)) for s, n in segs for a in range(0, n, tile)]
+
+
+def _rows(t: torch.Tensor, r: slice) -> torch.Tensor:
+    return t if t.shape[-2] == 1 else t[..., r, :]  # a mask/bias broadcast over query rows
+
+
 class _Block:
     """Scores of one (query segment, key segment) pair, masked, in the accumulation dtype."""
 
-    def __init__(self, qseg, kseg, causal, scale, mask, bias, docs=None):
+    def __init__(self, qseg, kseg, window: Window, scale, mask, bias, docs=None):
         (qs, qn), (ks, kn) = qseg, kseg
-        self.skip = causal and ks > qs + qn - 1
+        left, right = window
+        # hidden entirely: every key beyond every query's right reach, or before its left reach
+        self.skip = (right is not None and ks > qs + qn - 1 + right) or \
+                    (left is not None and ks + kn - 1 < qs - left)
         self.docs = None
         if docs is not None:  # packed documents: positions of different documents never meet
             qd, kd = docs[qs:qs + qn], docs[ks:ks + kn]
@@ -91,17 +128,27 @@ class _Block:
             if not (qd[0] == qd[-1] == kd[0] == kd[-1]):
                 self.docs = (qd, kd)
         self.qs, self.qn, self.ks, self.kn = qs, qn, ks, kn
-        self.causal_part = causal and not self.skip and ks + kn - 1 > qs
+        self.cut_right = not self.skip and right is not None and ks + kn - 1 > qs + right
+        self.cut_left = not self.skip and left is not None and ks < qs + qn - 1 - left
+        self.window = window
         self.scale, self.mask, self.bias = scale, mask, bias
 
-    def fused(self, q) -> bool:
-        """Whether torch's fused CPU flash kernel can take this block: fp32 on the CPU, no mask,
-        bias or document boundary inside it, and causal only on an aligned diagonal block."""
-        if _CPU_FLASH is None or q.device.type != "cpu" or q.dtype != torch.float32:
+    @property
+    def windowed(self) -> bool:
+        """Some (query, key) pair inside the block lies outside the window."""
+        return self.cut_right or self.cut_left
+
+    def fused(self, q, same_dims: bool = True) -> bool:
+        """Whether torch's fused CPU flash kernel can take this block: fp32 on the CPU, one head
+        dim, no mask, bias or document boundary inside it, and of the window only the causal
+        triangle of an aligned diagonal block."""
+        if _CPU_FLASH is None or q.device.type != "cpu" or q.dtype != torch.float32 or not same_dims:
             return False
         if self.mask is not None or self.bias is not None or self.docs is not None:
             return False
-        return not self.causal_part or (self.qs == self.ks and self.qn == self.kn)
+        if not self.windowed:
+            return True
+        return (not self.cut_left and self.window[1] == 0 and self.qs == self.ks and self.qn == self.kn)
 
     def scores(self, q, k):
         """``q [b, hk, g, qn, d]``, ``k [b, hk, 1, kn, d]`` -> ``[b, hk, g, qn, kn]``, -inf where masked."""
@@ -109,17 +156,22 @@ class _Block:
         b, hk, g, qn, kn = s.shape
         rq, rk = slice(self.qs, self.qs + qn), slice(self.ks, self.ks + kn)
         if self.bias is not None:
-            s = s + _heads5(self.bias[:, :, rq, rk], hk, g).to(s.dtype)
+            s = s + _heads5(_rows(self.bias[..., rk], rq), hk, g).to(s.dtype)
         allowed = None
-        if self.causal_part:
-            qp = torch.arange(self.qs, self.qs + qn, device=s.device)
-            kp = torch.arange(self.ks, self.ks + kn, device=s.device)
-            allowed = kp[None, :] <= qp[:, None]
+        if self.windowed:
+            qp = torch.arange(self.qs, self.qs + qn, device=s.device)[:, None]
+            kp = torch.arange(self.ks, self.ks + kn, device=s.device)[None, :]
+            left, right = self.window
+            if self.cut_right:
+                allowed = kp <= qp + right
+            if self.cut_left:
+                inside = kp >= qp - left
+                allowed = inside if allowed is None else (allowed & inside)
         if self.docs is not None:
             same = self.docs[0][:, None] == self.docs[1][None, :]
             allowed = same if allowed is None else (allowed & same)
         if self.mask is not None:
-            m = _heads5(self.mask[:, :, rq, rk], hk, g)
+            m = _heads5(_rows(self.mask[..., rk], rq), hk, g)
             allowed = ~m if allowed is None else (allowed & ~m)
         if allowed is not None:
             s = s.masked_fill(~allowed, float("-inf"))
@@ -139,7 +191,7 @@ def _expand4(t, g):
 def _fused_forward(q, k, v, blk):
     """One block through torch's fused CPU flash kernel: (out, lse) like the matmul path."""
     b, hk, g, n, d = q.shape
-    out, lse = _CPU_FLASH(q.reshape(b, hk * g, n, d), _expand4(k, g), _expand4(v, g), 0.0, blk.causal_part,
+    out, lse = _CPU_FLASH(q.reshape(b, hk * g, n, d), _expand4(k, g), _expand4(v, g), 0.0, blk.windowed,
                           scale=blk.scale)
     return out.view(b, hk, g, n, d), lse.view(b, hk, g, n)
 
@@ -149,27 +201,27 @@ def _fused_backward(do, q, k, v, out, lse, blk):
     b, hk, g, n, d = q.shape
     flat = lambda t: t.reshape(b, hk * g, *t.shape[3:])  # noqa: E731
     gq, gk, gv = _CPU_FLASH_BWD(flat(do), flat(q), _expand4(k, g), _expand4(v, g), flat(out),
-                                flat(lse).contiguous(), 0.0, blk.causal_part, scale=blk.scale)
+                                flat(lse).contiguous(), 0.0, blk.windowed, scale=blk.scale)
     kn = k.shape[3]
     return (gq.view(b, hk, g, n, d), gk.view(b, hk, g, kn, d).sum(2, keepdim=True),
             gv.view(b, hk, g, kn, d).sum(2, keepdim=True))
 
 
 def _heads5(t: torch.Tensor, hk: int, g: int) -> torch.Tensor:
-    """A ``[b|1, h|1, qn, kn]`` mask/bias slice -> ``[b|1, hk|1, g|1, qn, kn]``."""
+    """A ``[b|1, h|1, qn|1, kn]`` mask/bias slice -> ``[b|1, hk|1, g|1, qn|1, kn]``."""
     if t.shape[1] == 1:
         return t.unsqueeze(1)
     return t.unflatten(1, (hk, g))
 
 
-def _blocks(q_segs: Segments, k_segs: Segments, causal, scale, mask, bias, docs):
+def _blocks(q_segs: Segments, k_segs: Segments, window: Window, scale, mask, bias, docs):
     """The (query segment, key segment) blocks that are not hidden entirely, with the slices of
     the local query rows and of the key block they cover: ``(block, rows, cols)``."""
     koff = 0
     for kseg in k_segs:
         qoff = 0
         for qseg in q_segs:
-            blk = _Block(qseg, kseg, causal, scale, mask, bias, docs)
+            blk = _Block(qseg, kseg, window, scale, mask, bias, docs)
             if not blk.skip:
                 yield blk, slice(qoff, qoff + qseg[1]), slice(koff, koff + kseg[1])
             qoff += qseg[1]
@@ -181,25 +233,37 @@ def _safe_exp_diff(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isinf(a) & (a < 0), torch.zeros_like(a), torch.exp(a - b))
 
 
-class RingAttention(torch.autograd.Function):
-    """``q [b, hk, g, Sq, d]``, ``k, v [b, hk, 1, Sk, d]`` of this ring rank -> out like q."""
+def _ring_size(group) -> Tuple[int, int]:
+    return (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
+
+
+class LseAttention(torch.autograd.Function):
+    """``q [b, hk, g, Sq, d]``, ``k [b, hk, 1, Sk, d]``, ``v [b, hk, 1, Sk, dv]`` of this ring rank
+    -> ``(out [b, hk, g, Sq, dv], lse [b, hk, g, Sq])``, both differentiable.
+
+    ``group=None``: no ring, the whole sequence is here (the tiled single-rank kernel).  ``sink``
+    (``[hk*g]`` logits or None): one extra key per head with score ``sink`` and value 0 -- the
+    softmax's denominator gains ``exp(sink)`` (off-by-one: 0; learnable: a parameter).  ``tile``:
+    query and key segments cut into tiles of that many tokens, so the scores held at once are
+    ``[b, h, tile, tile]`` and tiles outside the window are never computed."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, seq_len, token_order, mask, bias, docs):
-        C, me = dist.get_world_size(group), dist.get_rank(group)
+    def forward(ctx, q, k, v, sink, group, window, scale, seq_len, token_order, mask, bias, docs, tile):
+        C, me = _ring_size(group)
         acc = torch.promote_types(q.dtype, torch.float32)
         qa = q.to(acc)
-        my_segs = ring_segments(me, C, seq_len, token_order)
-        out = torch.zeros(qa.shape, dtype=acc, device=q.device)
+        d, same = k.shape[-1], k.shape[-1] == v.shape[-1]
+        my_segs = tile_segments(ring_segments(me, C, seq_len, token_order), tile)
+        out = torch.zeros((*qa.shape[:-1], v.shape[-1]), dtype=acc, device=q.device)
         lse = torch.full(qa.shape[:-1], float("-inf"), dtype=acc, device=q.device)
-        kv = torch.stack([k, v])
+        kv = torch.cat([k, v], dim=-1) if C > 1 else None
         for step in range(C):
             src = (me - step) % C
             recv, work = _shift(kv, group) if step < C - 1 else (None, None)
-            ka, va = kv[0].to(acc), kv[1].to(acc)
-            for blk, rq, rk in _blocks(my_segs, ring_segments(src, C, seq_len, token_order), causal, scale,
-                                       mask, bias, docs):
-                if blk.fused(qa):
+            ka, va = (k.to(acc), v.to(acc)) if kv is None else (kv[..., :d].to(acc), kv[..., d:].to(acc))
+            k_segs = tile_segments(ring_segments(src, C, seq_len, token_order), tile)
+            for blk, rq, rk in _blocks(my_segs, k_segs, window, scale, mask, bias, docs):
+                if blk.fused(qa, same):
                     b_out, b_lse = _fused_forward(qa[..., rq, :], ka[..., rk, :], va[..., rk, :], blk)
                 else:
                     s = blk.scores(qa[..., rq, :], ka[..., rk, :])
@@ -213,48 +277,64 @@ class RingAttention(torch.autograd.Function):
             _wait(work)
             if recv is not None:
                 kv = recv
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.causal, ctx.scale, ctx.seq_len, ctx.token_order = group, causal, scale, seq_len, token_order
-        ctx.mask, ctx.bias, ctx.docs = mask, bias, docs
-        return out.to(q.dtype)
+        if sink is not None:  # the sink: one more key of score `sink` and value 0 per head
+            s5 = sink.detach().to(acc).view(1, *qa.shape[1:3], 1)
+            new = torch.logaddexp(lse, s5)
+            out *= _safe_exp_diff(lse, new)[..., None]
+            lse = new
+        ctx.save_for_backward(q, k, v, sink, out, lse)
+        ctx.group, ctx.window, ctx.scale, ctx.seq_len, ctx.token_order = group, window, scale, seq_len, token_order
+        ctx.mask, ctx.bias, ctx.docs, ctx.tile = mask, bias, docs, tile
+        ctx.set_materialize_grads(False)
+        return out.to(q.dtype), lse.detach().clone()
 
     @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        group, causal, scale, seq_len, order = ctx.group, ctx.causal, ctx.scale, ctx.seq_len, ctx.token_order
-        C, me = dist.get_world_size(group), dist.get_rank(group)
+    def backward(ctx, dout, dlse):
+        q, k, v, sink, out, lse = ctx.saved_tensors
+        group, window, scale, seq_len, order, tile = (ctx.group, ctx.window, ctx.scale, ctx.seq_len,
+                                                      ctx.token_order, ctx.tile)
+        C, me = _ring_size(group)
         acc = out.dtype
-        qa, do = q.to(acc), dout.to(acc)
-        # 1. D_i = sum_d dO_i * O_i (the softmax backward's row term)
+        d, same = k.shape[-1], k.shape[-1] == v.shape[-1]
+        qa = q.to(acc)
+        do = torch.zeros_like(out) if dout is None else dout.to(acc)
+        # 1. D_i = sum_d dO_i O_i - dlse_i: the softmax backward's row term (d lse_i / d s_ij = p_ij)
         D = (do * out).sum(-1)
+        if dlse is not None:
+            D = D - dlse.to(acc)
+        fused_ok = dlse is None  # the fused backward computes D itself, without the lse term
         dq = torch.zeros_like(qa)
-        kv = torch.stack([k, v])
+        kv = torch.cat([k, v], dim=-1)
         incoming = None  # (buffer, work): the partial dk/dv of the block computed next, in flight
-        my_segs = ring_segments(me, C, seq_len, order)
+        my_segs = tile_segments(ring_segments(me, C, seq_len, order), tile)
         for step in range(C):
             src = (me - step) % C
             recv_kv, work_kv = _shift(kv, group) if step < C - 1 else (None, None)
-            ka, va = kv[0].to(acc), kv[1].to(acc)
+            ka, va = kv[..., :d].to(acc), kv[..., d:].to(acc)
             dkv = torch.zeros(kv.shape, dtype=acc, device=k.device)  # this rank's part for block src
-            for blk, rq, rk in _blocks(my_segs, ring_segments(src, C, seq_len, order), causal, scale,
-                                       ctx.mask, ctx.bias, ctx.docs):
-                if blk.fused(qa):  # the fused kernel's backward, fed the final out and lse
+            dk, dv = dkv[..., :d], dkv[..., d:]
+            k_segs = tile_segments(ring_segments(src, C, seq_len, order), tile)
+            for blk, rq, rk in _blocks(my_segs, k_segs, window, scale, ctx.mask, ctx.bias, ctx.docs):
+                if fused_ok and blk.fused(qa, same):  # the fused kernel's backward, fed the final out and lse
                     gq, gk, gv = _fused_backward(do[..., rq, :], qa[..., rq, :], ka[..., rk, :],
                                                  va[..., rk, :], out[..., rq, :], lse[..., rq], blk)
                     dq[..., rq, :] += gq
-                    dkv[0][..., rk, :] += gk
-                    dkv[1][..., rk, :] += gv
+                    dk[..., rk, :] += gk
+                    dv[..., rk, :] += gv
                     continue
                 # 2. recompute probabilities with the final lse
                 s = blk.scores(qa[..., rq, :], ka[..., rk, :])
                 p = _safe_exp_diff(s, lse[..., rq, None])
                 # 3. dV += P^T dO ; dP = dO V^T ; dS = P (dP - D)
-                dkv[1][..., rk, :] += torch.matmul(p.transpose(-1, -2), do[..., rq, :]).sum(2, keepdim=True)
+                dv[..., rk, :] += torch.matmul(p.transpose(-1, -2), do[..., rq, :]).sum(2, keepdim=True)
                 dp = torch.matmul(do[..., rq, :], va[..., rk, :].transpose(-1, -2))
                 ds = p * (dp - D[..., rq, None])
                 # 4. dQ += dS K * scale ; dK += dS^T Q * scale (summed over the query group)
                 dq[..., rq, :] += torch.matmul(ds, ka[..., rk, :]) * scale
-                dkv[0][..., rk, :] += (torch.matmul(ds.transpose(-1, -2), qa[..., rq, :]) * scale).sum(2, keepdim=True)
+                dk[..., rk, :] += (torch.matmul(ds.transpose(-1, -2), qa[..., rq, :]) * scale).sum(2, keepdim=True)
+            if C == 1:
+                incoming = (dkv, None)
+                break
             # 5. add the partial gradient the previous ranks sent for this block (it travelled
             #    while this step computed) and pass it on; the last shift brings it home
             if incoming is not None:
@@ -266,7 +346,13 @@ class RingAttention(torch.autograd.Function):
                 kv = recv_kv
         _wait(incoming[1])
         dkv = incoming[0]
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None, None, None
+        dsink = None
+        if sink is not None and ctx.needs_input_grad[3]:
+            # the sink column: p = exp(sink - lse), dP = dO . 0 = 0, so dS = -p D (this rank's rows)
+            s5 = sink.detach().to(acc).view(1, *qa.shape[1:3], 1)
+            dsink = -(_safe_exp_diff(s5.expand_as(lse), lse) * D).sum((0, 3)).reshape(-1).to(sink.dtype)
+        return (dq.to(q.dtype), dkv[..., :d].to(k.dtype), dkv[..., d:].to(v.dtype), dsink,
+                None, None, None, None, None, None, None, None, None)
 
 
 def ring_attention(
@@ -282,13 +368,25 @@ def ring_attention(
     attention_mask: Optional[torch.Tensor] = None,
     attention_bias: Optional[torch.Tensor] = None,
     cu_seqlens: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
+    window_size: Optional[Tuple[int, int]] = None,
+    softmax_offset: Optional[torch.Tensor] = None,
+    return_lse: bool = False,
+    tile: Optional[int] = None,
+):
     """Exact attention of this ring rank's tokens (``layout`` ``sbhd`` or ``bshd``, GQA
-    allowed) against the whole sequence spread over ``group``.  Differentiable in q, k, v
-    (``attention_bias`` is a constant here).  ``cu_seqlens``: global document
-    boundaries of a packed stream (``sbhd`` with b = 1); attention stays inside documents."""
+    allowed, value head dim may differ) against the whole sequence spread over ``group``
+    (``None``: the whole sequence is here).  Differentiable in q, k, v, ``softmax_offset`` and
+    the returned log-sum-exp (``attention_bias`` is a constant here).  ``cu_seqlens``: global
+    document boundaries of a packed stream (``sbhd`` with b = 1); attention stays inside
+    documents.  ``window_size=(left, right)``: query ``i`` sees keys ``i-left .. i+right`` (-1:
+    unbounded), blocks outside it are skipped.  ``softmax_offset [hq]``: per-head sink logits.
+    ``return_lse``: also the log-sum-exp, ``[Sq, b, hq]`` (``sbhd``) / ``[b, Sq, hq]`` (``bshd``),
+    in float32 (float64 for float64 inputs).  ``tile``: see :class:`LseAttention`; default
+    whole ring segments, or 512 tokens with a window."""
     seq_dim = 0 if layout == "sbhd" else 1
-    C = dist.get_world_size(group)
+    C, _ = _ring_size(group)
+    if C == 1:
+        token_order = "contiguous"
     S = q.shape[seq_dim] * C
     hq, hk, d = q.shape[2], k.shape[2], q.shape[3]
     scale = softmax_scale if softmax_scale is not None else d ** -0.5
@@ -298,6 +396,14 @@ def ring_attention(
     docs = None
     if cu_seqlens is not None:
         docs = document_ids(cu_seqlens, S, q.device)
-    out = RingAttention.apply(q5, k5, v5, group, causal, scale, S, token_order, attention_mask, attention_bias, docs)
-    out = out.flatten(1, 2)  # [b, hq, Sq, d]
-    return out.permute(2, 0, 1, 3) if layout == "sbhd" else out.transpose(1, 2)
+    window = attention_window(causal, window_size)
+    if tile is None and window_size is not None and tuple(window_size) != (-1, -1):
+        tile = 512
+    out, lse = LseAttention.apply(q5, k5, v5, softmax_offset, group, window, scale, S, token_order,
+                                  attention_mask, attention_bias, docs, tile)
+    out, lse = out.flatten(1, 2), lse.flatten(1, 2)  # [b, hq, Sq, dv], [b, hq, Sq]
+    if layout == "sbhd":
+        out, lse = out.permute(2, 0, 1, 3), lse.permute(2, 0, 1)
+    else:
+        out, lse = out.transpose(1, 2), lse.transpose(1, 2)
+    return (out, lse) if return_lse else out

@@ -17,6 +17,7 @@ change signature together (they run the same model on the same kind of batch).
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -24,7 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .backends import BUILTIN_BACKENDS, backend_error
+from .backends import BUILTIN_BACKENDS, backend_error, callable_accepts, callable_option_error, has_window
 from .exchange import LAYOUTS, head_layout_error, is_even, overlap_error
 
 TOKEN_ORDERS = ("contiguous", "load_balanced", "per_document")
@@ -67,6 +68,9 @@ class CallRecord:
     ring: int
     cu_seqlens: Optional[Tuple[int, ...]]  # the global document boundaries, in full
     seqlens: Optional[Tuple[int, ...]]     # real lengths when documents are padded (THD), else None
+    window_size: Any = None                # (left, right) or None
+    softmax_offset: Optional[TensorSig] = None
+    return_lse: Any = False
 
 
 # ----------------------------------------------------------------------------- signature
@@ -145,11 +149,18 @@ def _local_problem(q, k, v, o: Dict[str, Any], degree: int, ring: int) -> str:
                 f"{v.device.type}: move them to one device")
     sdim = 0 if layout in ("sbhd", "thd") else 1
     hdim = q.dim() - 2
-    checks = [(sdim, "sequence size")] + ([] if thd else [(1 - sdim, "batch size")]) + [(hdim + 1, "head dim")]
+    checks = [(sdim, "sequence size")] + ([] if thd else [(1 - sdim, "batch size")])
     for dim, what in checks:
         vals = (q.shape[dim], k.shape[dim], v.shape[dim])
         if len(set(vals)) > 1:
             return f"query, key and value disagree in {what} (dim {dim} of {shape_names}): {vals[0]}, {vals[1]}, {vals[2]}"
+    if q.shape[-1] != k.shape[-1]:
+        return (f"query and key disagree in head dim (dim {hdim + 1} of {shape_names}): {q.shape[-1]}, {k.shape[-1]} "
+                f"(value's may differ, as in multi-latent attention; query's and key's must match)")
+    mla = v.shape[-1] != q.shape[-1]
+    if mla and backend == "flash" and importlib.util.find_spec("flash_attn_interface") is None:
+        return (f"value head dim {v.shape[-1]} differs from the query/key head dim {q.shape[-1]} (multi-latent "
+                "attention), which flash-attn 2 cannot run: use backend='sdpa' or 'te', or install flash-attn 3")
     if k.shape[hdim] != v.shape[hdim]:
         return f"key and value must have the same number of heads: {k.shape[hdim]} and {v.shape[hdim]}"
     if q.shape[sdim] < 1:
@@ -162,6 +173,9 @@ def _local_problem(q, k, v, o: Dict[str, Any], degree: int, ring: int) -> str:
     if err:
         return f"{err} (heads are dim {hdim} of {shape_names})"
     chunks = o["overlap_chunks"]
+    if degree > 1 and chunks != 1 and (mla or o.get("return_lse")):
+        return (f"overlap_chunks={chunks} takes one head dim and no return_lse: use overlap_chunks=1 with "
+                "value heads of another size or return_lse=True")
     if degree > 1 and (not isinstance(chunks, int) or chunks != 1):
         if not is_even(q.shape[hdim], k.shape[hdim], degree):
             return f"overlap_chunks={chunks} needs heads that divide evenly over the degree {degree}"
@@ -189,7 +203,58 @@ def _local_problem(q, k, v, o: Dict[str, Any], degree: int, ring: int) -> str:
         return f"dropout_p must be a number in [0, 1], got {p!r}"
     if o["token_order"] not in TOKEN_ORDERS:
         return f"token_order={o['token_order']!r} is unknown: use one of {list(TOKEN_ORDERS)}"
-    return _packed_problem(q, o, degree, ring)
+    return _variant_problem(q, o, ring) or _packed_problem(q, o, degree, ring)
+
+
+def _variant_problem(q, o, ring) -> str:
+    """Sliding window, attention sinks and the log-sum-exp output: values and backend support."""
+    window, offset, lse, backend = o.get("window_size"), o.get("softmax_offset"), o.get("return_lse", False), o["backend"]
+    if window is not None:
+        ok = isinstance(window, (tuple, list)) and len(window) == 2 and all(
+            isinstance(x, int) and not isinstance(x, bool) and x >= -1 for x in window)
+        if not ok:
+            return (f"window_size must be a pair (left, right) of ints >= -1 (-1: unbounded), got {window!r}: "
+                    "e.g. window_size=(4096, 0) for causal sliding-window attention")
+    if offset is not None:
+        if not isinstance(offset, torch.Tensor) or not offset.is_floating_point() or offset.dim() != 1:
+            what = type(offset).__name__ if not isinstance(offset, torch.Tensor) else \
+                f"a {offset.dim()}-D {str(offset.dtype).replace('torch.', '')} tensor"
+            return f"softmax_offset must be a 1-D floating-point tensor of one sink logit per query head, got {what}"
+        hq = q.shape[-2]
+        if offset.shape[0] != hq:
+            return (f"softmax_offset has {offset.shape[0]} entries but query has {hq} heads: one sink logit per "
+                    "query head (of this tensor-parallel rank)")
+        if offset.device.type != q.device.type:
+            return f"softmax_offset is on {offset.device.type} but query on {q.device.type}: move it to one device"
+    if not isinstance(lse, bool):
+        return f"return_lse must be True or False, got {lse!r}"
+    wants = [n for n, on in (("window_size", has_window(window)), ("softmax_offset", offset is not None),
+                             ("return_lse", lse)) if on]
+    if not wants:
+        return ""
+    if callable(backend):
+        missing = [n for n in wants if not callable_accepts(backend, n)]
+        return callable_option_error(missing[0]) if missing else ""
+    if backend in ("flash", "te"):
+        other = [n for n in wants if n != "window_size"]
+        if other:
+            return (f"{other[0]} is not available with backend={backend!r} (it has the window only): "
+                    "use backend='sdpa' (the tiled log-sum-exp kernel) or a callable that takes it")
+        if backend == "te" and ring > 1:
+            return ("window_size with a ring runs with backend='sdpa' (the log-sum-exp ring skips blocks outside "
+                    "the window), not with Transformer Engine's p2p ring")
+        return ""
+    # sdpa: the tiled log-sum-exp kernel
+    if o.get("dropout_p"):
+        return f"dropout_p={o['dropout_p']} does not combine with {wants[0]} (backend='sdpa'): set dropout_p=0"
+    bias = o.get("attention_bias")
+    if isinstance(bias, torch.Tensor) and bias.requires_grad:
+        return (f"attention_bias requires grad, but with {wants[0]} the kernel treats the bias as a constant: "
+                "pass attention_bias.detach()")
+    if o.get("seqlens") is not None:
+        return (f"{wants[0]} does not combine with padding between packed documents (seqlens / "
+                "cu_seqlens_q_padded) on backend='sdpa': pack documents tight (cu_seqlens only)")
+    return ""
 
 
 def _packed_problem(q, o, degree, ring) -> str:
@@ -278,6 +343,8 @@ def describe(query, key, value, *, degree: int = 1, ring: int = 1, **opts) -> Ca
         overlap_chunks=o["overlap_chunks"], degree=degree, ring=ring,
         cu_seqlens=None if problem else _int_list(o.get("cu_seqlens")),
         seqlens=None if problem else _int_list(o.get("seqlens")),
+        window_size=tuple(o["window_size"]) if has_window(o.get("window_size")) and not problem else None,
+        softmax_offset=TensorSig.of(o.get("softmax_offset")), return_lse=o.get("return_lse", False),
     )
     if not problem:
         problem = _ring_problem(rec) or _full_sequence_problem(rec)
@@ -298,9 +365,9 @@ def _full_sequence_problem(r: CallRecord) -> str:
         if s is None:
             continue
         shp = list(s.shape)
-        if len(shp) != 4 or any(x not in (1, w) for x, w in zip(shp[:2], (b, heads))) or shp[2:] != [seq, seq]:
-            return (f"{name} must cover the full sequence, shape [b or 1, heads or 1, {seq}, {seq}] (b={b}, "
-                    f"heads={heads}); it is {shp if len(shp) == 4 else 'not 4-D'}")
+        if len(shp) != 4 or any(x not in (1, w) for x, w in zip(shp[:3], (b, heads, seq))) or shp[3] != seq:
+            return (f"{name} must cover the full sequence, shape [b or 1, heads or 1, {seq} or 1, {seq}] (b={b}, "
+                    f"heads={heads}; 1 = broadcast, never expanded); it is {shp if len(shp) == 4 else 'not 4-D'}")
     return ""
 
 
@@ -329,6 +396,9 @@ _AGREE = [  # (what the message calls it, the value compared)
     ("ring size", lambda r: r.ring),
     ("cu_seqlens (the global document boundaries must be identical on every rank)", lambda r: r.cu_seqlens),
     ("seqlens (real document lengths must be identical on every rank)", lambda r: r.seqlens),
+    ("window_size", lambda r: r.window_size),
+    ("softmax_offset (presence, shape, dtype, requires_grad)", lambda r: r.softmax_offset),
+    ("return_lse", lambda r: r.return_lse),
 ]
 
 
