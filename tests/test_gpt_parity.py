@@ -12,7 +12,9 @@ compared) within 1e-5 relative.  Hybrid Ulysses x ring configurations run on the
 packed streams (THD, cu_seqlens from EOD tokens) are compared with the unsharded model fed
 Megatron-LM's dense --reset-attention-mask mask -- both as this package shards them (the
 stream whole) and in Transformer Engine's per-document layout that Megatron-LM's THD batches
-use (te_layout_4: 4 documents padded to multiples of 8).  The working-memory features (chunked
+use (te_layout_4: 4 documents padded to multiples of 8).  Multi-latent attention with a sliding
+window and learnable sinks runs at ulysses 2 and tp 2 x ulysses 2 against the unsharded model
+whose core attention is float64 attention written out by hand.  The working-memory features (chunked
 linear cross-entropy in 5-token chunks + the sequence-tiled MLP in 3-token chunks) run at
 ulysses 2, tp 2 x ulysses 2 (vocab-parallel loss) and ulysses 2 x pp 2.  Negative controls: the
 same check with the Ulysses exchange bypassed, with labels shifted after sharding, or with the
@@ -42,6 +44,14 @@ LOSS_CHUNK, MLP_CHUNK = 5, 3
 # --reset-attention-mask mask: streams of 32 tokens with EOD tokens at fixed places.
 PACKED_CONFIGS = [dict(ulysses=2), dict(ulysses=4), dict(ulysses=2, cp=2)]
 PACKED_STEPS = 2
+# Multi-latent attention (query/key head dim 16 + 8 rope = 24, value head dim 12) with a causal
+# sliding window of 5 on layer 1 (layer 2 full: window_attn_skip_freq 2) and learnable sinks,
+# against the unsharded model whose core attention is float64 attention written out by hand.
+MLA_CONFIGS = [dict(ulysses=2), dict(tp=2, ulysses=2)]  # see _mla_parity for what each is held to
+MLA_MODEL = dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=8, multi_latent_attention=True,
+                 q_lora_rank=None, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=12,
+                 rope_type="rope", normalization="RMSNorm", window_size=(5, 0), window_attn_skip_freq=2,
+                 softmax_type="learnable")
 EOD, S_PACKED = 255, 32
 GLOBAL, S_REAL, VOCAB, STEPS = 4, 30, 256, 3
 MODEL = dict(num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=8, num_query_groups=2)
@@ -89,7 +99,36 @@ def _step(model, opt, mbs, seq_length):
     return loss, grads
 
 
-def _build(ckpt_dir, load, dense_mask=False, mem=False):
+def _reference_core_attention():
+    """A ``core_attention`` for the unsharded reference, independent of UlyssesAttention: float64
+    attention by hand (tests.helpers.reference_attention) over the whole sequence, the window
+    decided by Megatron's own ``is_layer_window_attention``, learnable sinks drawn at random."""
+    import torch
+    from megatron.core.transformer.module import MegatronModule
+    from megatron.core.transformer.utils import is_layer_window_attention
+
+    from tests.helpers import reference_attention
+
+    class ReferenceCoreAttention(MegatronModule):
+        def __init__(self, config, layer_number, attn_mask_type, attention_type="self", attention_dropout=None,
+                     softmax_scale=None, k_channels=None, v_channels=None, cp_comm_type=None, pg_collection=None):
+            super().__init__(config=config)
+            self.scale = softmax_scale
+            self.window = config.window_size if is_layer_window_attention(
+                config.window_size, config.window_attn_skip_freq, layer_number) else None
+            gen = torch.Generator().manual_seed(layer_number)
+            self.softmax_offset = torch.nn.Parameter(torch.randn(config.num_attention_heads, generator=gen))
+
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None):
+            out = reference_attention(query, key, value, causal=True, softmax_scale=self.scale,
+                                      window_size=self.window, softmax_offset=self.softmax_offset)
+            return out.to(query.dtype).reshape(out.shape[0], out.shape[1], -1)
+
+    return ReferenceCoreAttention
+
+
+def _build(ckpt_dir, load, dense_mask=False, mem=False, mla=False):
     import torch
     from megatron.core import dist_checkpointing, tensor_parallel
 
@@ -97,8 +136,16 @@ def _build(ckpt_dir, load, dense_mask=False, mem=False):
 
     torch.manual_seed(1234)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    cfg = training.gpt_config(**MODEL)
+    cfg = training.gpt_config(**(MLA_MODEL if mla else MODEL))
     spec = None
+    if mla:
+        from megatron.core.transformer.spec_utils import ModuleSpec
+
+        from ulysses_mcore.megatron.specs import get_ulysses_layer_spec
+
+        spec = get_ulysses_layer_spec(multi_latent_attention=True)
+        if not load:  # the reference: the same layer with the float64 core attention
+            spec.submodules.self_attention.submodules.core_attention = ModuleSpec(module=_reference_core_attention())
     if dense_mask:  # the reference for packed runs: Megatron-LM's [s, s] --reset-attention-mask mask
         from megatron.core.transformer.enums import AttnMaskType
 
@@ -185,6 +232,7 @@ def _parity_world(rank, world, ckpt_dir, controls):
     for cfg in CONFIGS:
         out[str(cfg)] = run(cfg, STEPS)
     out.update(_packed_parity(ckpt_dir))
+    out.update(_mla_parity(ckpt_dir + "_mla"))
     if controls:
         out["control: late label shift"] = run(dict(ulysses=2), 1, mode="late_shift")
         from ulysses_mcore.megatron import memory
@@ -246,6 +294,72 @@ def _packed_parity(ckpt_dir):
     return out
 
 
+def _mla_parity(ckpt_dir):
+    """MLA + sliding window + learnable sinks with Ulysses == without it.
+
+    ulysses 2: against the unsharded model with float64 core attention (loss of 3 steps, every
+    gradient of the first).  tp 2 x ulysses 2: megatron-core's MLA under tensor parallelism without
+    sequence parallelism (the only kind on CPU) does not sum the rope key's gradient over tp ranks
+    (NVIDIA/Megatron-LM#1699, open), so tp 2 *without* Ulysses is off the unsharded gradients by
+    ~1e-2 (reported as "mla tp 2 (Megatron's MLA tp bug)"); tp 2 x ulysses 2 is held to tp 2 x
+    ulysses 1 (Megatron's own tp, same data) over 3 steps, and to the unsharded model in the first
+    step's loss."""
+    import os
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    import ulysses_mcore
+    from ulysses_mcore.megatron import groups
+    from ulysses_mcore.megatron.batch import shard_batch
+
+    os.makedirs(ckpt_dir, exist_ok=True)
+    full = _data()
+    groups.destroy()
+    ulysses_mcore.initialize(verbose=False)
+    model, opt = _build(ckpt_dir, load=False, mla=True)
+    dist.barrier()
+    unsharded = [_step(model, opt, [{k: v[i:i + 1] for k, v in full.items()} for i in range(GLOBAL)], S_REAL)
+                 for _ in range(STEPS)]
+
+    def run(cfg):
+        groups.destroy()
+        ulysses_mcore.initialize(**cfg, verbose=False)
+        model, opt = _build(ckpt_dir, load=True, mla=True)
+        dp, dp_rank, cp = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(), ps.get_context_parallel_world_size()
+        per = GLOBAL // dp
+        shards = [shard_batch({k: v[i:i + 1] for k, v in full.items()}, pad_to_multiple_of=2 * cp)
+                  for i in range(dp_rank * per, (dp_rank + 1) * per)]
+        seq = shards[0]["tokens"].shape[1] * cp
+        steps = [_step(model, opt, shards, seq) for _ in range(STEPS)]
+        tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+        params = {n: p for n, p in model.module.named_parameters()}
+        split = {name: (params[_local(model, name)], tp, tp_rank) for name in steps[0][1]}
+        return steps, split
+
+    def compare(steps, split, ref, slice_ref):
+        loss_err = max(abs(a[0] - b[0]) / abs(b[0]) for a, b in zip(steps, ref))
+        grad_err = 0.0
+        for name, g in steps[0][1].items():
+            p, tp, tp_rank = split[name]
+            want = ref[0][1][name]
+            if slice_ref and getattr(p, "tensor_model_parallel", False):
+                want = want.chunk(tp, dim=p.partition_dim)[tp_rank]
+            grad_err = max(grad_err, ((g - want).abs().max() / want.abs().max().clamp_min(1e-12)).item())
+        return {"loss": loss_err, "grad": grad_err, "later": 0.0}
+
+    out = {}
+    steps, split = run(dict(ulysses=2))
+    out["mla {'ulysses': 2}"] = compare(steps, split, unsharded, True)
+    tp_steps, split = run(dict(tp=2))
+    out["mla tp 2 (Megatron's MLA tp bug)"] = compare(tp_steps, split, unsharded, True)
+    steps, split = run(dict(tp=2, ulysses=2))
+    res = compare(steps, split, tp_steps, False)
+    res["loss"] = max(res["loss"], abs(steps[0][0] - unsharded[0][0]) / abs(unsharded[0][0]))
+    out["mla {'tp': 2, 'ulysses': 2}"] = res
+    return out
+
+
 def _te_thd_shard(mb, rank, cp):
     """This rank's share of a micro-batch in Transformer Engine's THD context-parallel layout, built
     here independently: every document padded (loss-masked) to a multiple of 2 x cp, each cut in
@@ -299,7 +413,7 @@ def test_gpt_parity_with_unsharded_model(tmp_path):
     for cfg in CONFIGS:
         m = merged[str(cfg)]
         assert m["loss"] < 1e-5 and m["grad"] < 1e-5, (cfg, m)
-    for name in [f"packed {cfg}" for cfg in PACKED_CONFIGS] + ["te_layout_4"]:
+    for name in [f"packed {cfg}" for cfg in PACKED_CONFIGS] + ["te_layout_4"] + [f"mla {cfg}" for cfg in MLA_CONFIGS]:
         m = merged[name]
         assert m["loss"] < 1e-5 and m["grad"] < 1e-5, (name, m)
     for name in ("control: late label shift", "control: exchange bypassed", "control: packed, documents ignored",

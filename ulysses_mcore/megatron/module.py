@@ -11,6 +11,7 @@ per module); in steady state a forward is two all-to-alls and nothing else.
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Optional, Union
 
@@ -55,11 +56,33 @@ def resolve_groups(config, pg_collection, ulysses_group=None, ring_group=None):
     return cp, None
 
 
+def _tp_rank(tp_group) -> int:
+    if tp_group is not None:
+        return dist.get_rank(tp_group)
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_rank() if parallel_state.model_parallel_is_initialized() else 0
+
+
+def _is_window_layer(config, layer_number: int) -> bool:
+    """Megatron's rule: ``window_size`` set, and the layer not one ``window_attn_skip_freq`` keeps full."""
+    window = getattr(config, "window_size", None)
+    if not window:
+        return False
+    skip = getattr(config, "window_attn_skip_freq", None)
+    if skip is None:
+        return True
+    if isinstance(skip, int):
+        return layer_number % skip != 0
+    return bool(skip[layer_number - 1])
+
+
 class UlyssesAttention(MegatronModule):
     """Drop-in ``core_attention`` for Megatron-Core's ``SelfAttention``.
 
     Builder keywords are Megatron's (``config, layer_number, attn_mask_type,
-    attention_type, attention_dropout, softmax_scale, cp_comm_type, pg_collection``) plus
+    attention_type, attention_dropout, softmax_scale, cp_comm_type, pg_collection``, and MLA's
+    ``k_channels, v_channels``) plus
     ``ulysses_group`` (default: the group registered by :func:`ulysses_mcore.initialize`)
     and ``backend`` (``"sdpa"``, ``"flash"``, ``"te"`` or a callable).
 
@@ -67,6 +90,12 @@ class UlyssesAttention(MegatronModule):
     for the local token shard and returns ``[s/P, b, hq*d]``.  ``attn_mask_type`` causal
     ignores ``attention_mask`` (as Transformer Engine does); padding / arbitrary masks must
     cover the full sequence ``[b or 1, 1 or heads, s, s]`` (True = masked).
+
+    Megatron's attention variants come from the config: ``window_size`` (with
+    ``window_attn_skip_freq``), ``softmax_type`` ``"off-by-one"`` / ``"learnable"`` (the learnable
+    sinks are this module's parameter ``softmax_offset``, one per query head of the tensor-parallel
+    rank, saved sharded on dim 0 like Megatron's), and multi-latent attention (``MLASelfAttention``
+    passes value heads of their own size; the output is ``[s/P, b, h*dv]``).
 
     With ``config.context_parallel_size = ulysses x cp`` the ring group runs ring attention
     after the all-to-all.  ``packed_seq_params`` (``thd``): ``cu_seqlens_q`` are the global
@@ -90,6 +119,8 @@ class UlyssesAttention(MegatronModule):
         check: bool = True,
         token_order: Optional[str] = None,
         ring_group=None,
+        k_channels: Optional[int] = None,
+        v_channels: Optional[int] = None,
     ):
         super().__init__(config=config)
         self.layer_number = max(1, layer_number)
@@ -128,22 +159,36 @@ class UlyssesAttention(MegatronModule):
         # Head counts live on the instance, never in process-global state.
         self.num_q_heads = heads // tp
         self.num_kv_heads = groups // tp
-        self.head_dim = config.kv_channels
+        # MLA passes k_channels (query/key head dim) and v_channels (value head dim), as to TE's module
+        self.head_dim = k_channels or config.kv_channels
+        self.v_head_dim = v_channels or self.head_dim
         err = head_layout_error(self.num_q_heads, self.num_kv_heads, self.degree)
         if err:
             raise ValueError(
                 f"--ulysses-degree {self.degree} does not fit the heads per tensor-parallel rank "
                 f"(tp={tp}, --num-attention-heads {heads}, --num-query-groups {groups}): {err}"
             )
-        if getattr(config, "softmax_type", "vanilla") != "vanilla":
-            raise ValueError(
-                f"UlyssesAttention supports softmax_type='vanilla' only, got {config.softmax_type!r}"
-            )
-        if getattr(config, "window_size", None) is not None:
-            raise ValueError(
-                "UlyssesAttention does not implement sliding-window attention (config.window_size="
-                f"{config.window_size}); unset --window-size"
-            )
+        # sliding window, per layer as Megatron decides it (window_attn_skip_freq: some layers full)
+        self.window_size = None
+        if _is_window_layer(config, layer_number):
+            self.window_size = tuple(int(x) for x in config.window_size)
+        # attention sinks: Megatron's softmax_type ("off-by-one": a zero logit per head; "learnable":
+        # a per-head parameter, sharded over tensor parallelism, replicated over Ulysses / ring / dp)
+        self.softmax_type = getattr(config, "softmax_type", "vanilla")
+        self.tp_rank = _tp_rank(tp_group)
+        self.tp_group = tp_group
+        if self.softmax_type == "off-by-one":
+            self.register_buffer("softmax_offset", torch.zeros(self.num_q_heads), persistent=False)
+        elif self.softmax_type == "learnable":
+            self.softmax_offset = torch.nn.Parameter(self._initial_sinks(config, heads))
+            from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+            set_tensor_model_parallel_attributes(self.softmax_offset, True, 0, 1)
+        elif self.softmax_type == "vanilla":
+            self.softmax_offset = None
+        else:
+            raise ValueError(f"config.softmax_type={self.softmax_type!r} is unknown: use 'vanilla', 'off-by-one' "
+                             "or 'learnable'")
         self.softmax_scale = (
             softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
         )
@@ -168,15 +213,46 @@ class UlyssesAttention(MegatronModule):
         call = dict(group=self.group, ring_group=self.ring_group, layout="thd" if cu is not None else "sbhd",
                     backend=self.backend, causal=causal, softmax_scale=self.softmax_scale, attention_mask=mask,
                     attention_bias=attention_bias, dropout_p=self.dropout_p if self.training else 0.0,
-                    token_order=order, cu_seqlens=cu, seqlens=lens)
+                    token_order=order, cu_seqlens=cu, seqlens=lens, window_size=self.window_size,
+                    softmax_offset=self.softmax_offset, first_head=self.tp_rank * self.num_q_heads)
         if self.check:  # once per input signature (the module's own checks included); cached after that
+            opts = {k_: v_ for k_, v_ in call.items() if k_ != "first_head"}
             self.validator.check(query, key, value, degree=self.degree, ring=self.ring, overlap_chunks=1,
                                  cu_seqlens_kv=cu_kv, expected_heads=(self.num_q_heads, self.num_kv_heads),
-                                 qkv_format=getattr(packed_seq_params, "qkv_format", None), **call)
+                                 qkv_format=getattr(packed_seq_params, "qkv_format", None), **opts)
         out = ulysses_attention(query, key, value, check=False, **call)
         if cu is not None:
             return out.reshape(out.shape[0], -1)  # [t, h*d]; Megatron adds the batch dim back
         return out.reshape(out.shape[0], out.shape[1], -1)
+
+    def _initial_sinks(self, config, heads: int) -> torch.Tensor:
+        """The learnable sinks' first values: all ``heads`` drawn from a generator keyed by the layer
+        (normal, ``init_method_std``), this tensor-parallel rank's slice kept -- the same model for
+        any layout; zeros without ``perform_initialization`` (a checkpoint will fill them)."""
+        full = torch.zeros(heads)
+        if getattr(config, "perform_initialization", True):
+            gen = torch.Generator().manual_seed(7919 * self.layer_number + 17)
+            full.normal_(0.0, getattr(config, "init_method_std", 0.02), generator=gen)
+        lo = self.tp_rank * self.num_q_heads
+        return full[lo:lo + self.num_q_heads].to(getattr(config, "params_dtype", torch.float32))
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        """The learnable sinks, sharded over tensor parallelism on dim 0 (as Megatron's own
+        ``DotProductAttention`` saves them), so a checkpoint is the same for any layout."""
+        if self.softmax_type != "learnable":
+            return {}
+        from megatron.core import parallel_state
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        kw = {}
+        params = inspect.signature(make_sharded_tensors_for_checkpoint).parameters
+        if "tp_group" in params:
+            kw["tp_group"] = self.tp_group or parallel_state.get_tensor_model_parallel_group()
+        if "dp_cp_group" in params:
+            dp_cp = (metadata or {}).get("dp_cp_group")
+            kw["dp_cp_group"] = dp_cp or parallel_state.get_data_parallel_group(with_context_parallel=True)
+        return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix,
+                                                   {"softmax_offset": 0}, sharded_offsets, **kw)
 
     def _packed(self, psp):
         """(cu_seqlens for the kernel, real lengths or None, cu_seqlens_kv, token order) of

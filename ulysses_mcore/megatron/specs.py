@@ -66,7 +66,7 @@ def swap_core_attention(spec, *, backend: Union[str, object] = "sdpa", ulysses_g
     def replace(node):
         if (not isinstance(node, (type, ModuleSpec, functools.partial, list, tuple))
                 and hasattr(node, "__dataclass_fields__") and hasattr(node, "core_attention")
-                and hasattr(node, "linear_qkv")):
+                and (hasattr(node, "linear_qkv") or hasattr(node, "linear_kv_down_proj"))):  # self-attention, MLA too
             count[0] += 1
             return _replaced(node, core_attention=ModuleSpec(module=UlyssesAttention, params=dict(params)))
         return None
@@ -112,6 +112,17 @@ def _replaced(node, **changes):
     return new
 
 
+def _mla_without_transformer_engine() -> None:
+    """megatron-core's ``MLASelfAttention`` checks ``isinstance(linear_proj, TELinear)`` under its
+    module's ``HAVE_TE``, which its import sets True even where Transformer Engine is absent
+    (``TELinear`` is then None and the check raises ``TypeError``).  Without TE there is no
+    ``TELinear`` to find: tell that module so.  Nothing changes where TE is installed."""
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    if getattr(mla, "HAVE_TE", False) and not isinstance(getattr(mla, "TELinear", None), type):
+        mla.HAVE_TE = False
+
+
 def get_ulysses_layer_spec(
     base: str = "local",
     *,
@@ -144,5 +155,7 @@ def get_ulysses_layer_spec(
         backend = backend or "te"
     else:
         raise ValueError(f"base={base!r}: use 'local' (plain torch, CPU) or 'te' (Transformer Engine)")
+    if kwargs.get("multi_latent_attention"):
+        _mla_without_transformer_engine()
     spec = swap_core_attention(spec, backend=backend)
     return swap_mlp(spec, chunk_tokens=mlp_chunk_tokens) if mlp_chunk_tokens else spec

@@ -35,7 +35,10 @@ def gpt_config(**kw):
     kw.setdefault("attention_dropout", 0.0)
     if kw["pipeline_model_parallel_size"] > 1:
         kw.setdefault("pipeline_dtype", kw.get("params_dtype", torch.float32))
-    cfg = TransformerConfig(**kw)
+    config_class = TransformerConfig
+    if kw.get("multi_latent_attention"):  # MLA (DeepSeek-V2/V3): Megatron's own config class for it
+        from megatron.core.transformer.transformer_config import MLATransformerConfig as config_class
+    cfg = config_class(**kw)
     check_config(cfg)
     return cfg
 
