@@ -92,6 +92,10 @@ LAYOUTS = {
                      ["--pipeline-model-parallel-size", "2"]),
     "ulysses2_cp2_rope": (4, ["--ulysses-degree", "2", "--context-parallel-size", "2", *ROPE], ROPE),
     # chunked linear cross-entropy (vocab-parallel over tp 2) and the sequence-tiled MLP
+    # Megatron's sliding window (layer 2 full: --window-attn-skip-freq 2): the reference is Megatron's
+    # own DotProductAttention with its sliding-window mask
+    "ulysses2_window": (2, ["--ulysses-degree", "2", "--window-size", "16,0", "--window-attn-skip-freq", "2", *ROPE],
+                        ["--window-size", "16,0", "--window-attn-skip-freq", "2", *ROPE]),
     "tp2_ulysses2_chunked": (4, ["--tensor-model-parallel-size", "2", "--ulysses-degree", "2",
                                  "--use-distributed-optimizer", "--loss-chunk-tokens", "20", "--mlp-chunk-tokens", "12"],
                              ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"]),
