@@ -189,3 +189,53 @@ def test_module_refuses_heads_it_was_not_built_for():
 
     errs = run_threaded_errors(2, fn)
     assert all(isinstance(e, ValueError) and "built for 4 query / 2 kv heads" in str(e) for e in errs), errs
+
+
+@pytest.mark.parametrize("layer,softmax_type", [(1, "off-by-one"), (2, "learnable"), (3, "learnable")])
+def test_module_variants_from_megatron_config(layer, softmax_type):
+    """window_size / window_attn_skip_freq / softmax_type from Megatron's config: layers 1 and 3 of
+    window_attn_skip_freq=2 run the window, layer 2 full attention (Megatron's rule); the sinks are
+    a zero buffer (off-by-one) or the module's own parameter (learnable), whose gradient, summed over
+    the Ulysses ranks, is the float64 one."""
+    cfg = config(8, 2, window_size=(3, 0), window_attn_skip_freq=2, softmax_type=softmax_type)
+    d, S, b = cfg.kv_channels, 16, 2
+    g = torch.Generator().manual_seed(layer)
+    q, k, v = torch.randn(S, b, 8, d, generator=g), torch.randn(S, b, 2, d, generator=g), torch.randn(S, b, 2, d, generator=g)
+    dout = torch.randn(S, b, 8 * d, generator=g)
+
+    def rank_fn(rank, world):
+        mod = UlyssesAttention(cfg, layer_number=layer, attn_mask_type=AttnMaskType.causal,
+                               ulysses_group=dist.group.WORLD)
+        qs, ks, vs = (t.chunk(world)[rank].clone().requires_grad_() for t in (q, k, v))
+        mod(qs, ks, vs, None).backward(dout.chunk(world)[rank])
+        sinks = mod.softmax_offset
+        return (qs.grad, ks.grad, vs.grad, sinks.detach().clone(), sinks.grad if sinks.requires_grad else None,
+                mod.window_size, [n for n, _ in mod.named_parameters()])
+
+    res = run_threaded(4, rank_fn)
+    window = res[0][5]
+    assert window == (None if layer == 2 else (3, 0))
+    assert res[0][6] == (["softmax_offset"] if softmax_type == "learnable" else [])
+    sinks = res[0][3]
+    if softmax_type == "off-by-one":
+        assert torch.equal(sinks, torch.zeros(8))
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+    sr = sinks.double().requires_grad_()
+    ref = reference_attention(qr, kr, vr, causal=True, window_size=window, softmax_offset=sr).reshape(S, b, -1)
+    ref.backward(dout.double())
+    got = [torch.cat([r[i] for r in res]) for i in range(3)]
+    for a, r in zip(got, (qr.grad, kr.grad, vr.grad)):
+        assert (a.double() - r).abs().max() / r.abs().max() < 1e-5
+    if softmax_type == "learnable":
+        ds = sum(r[4] for r in res)
+        assert (ds.double() - sr.grad).abs().max() / sr.grad.abs().max() < 1e-5
+
+
+def test_module_rejects_unknown_softmax_type():
+    def rank_fn(rank, world):
+        cfg = config(8, 2)
+        cfg.softmax_type = "sigmoid"
+        UlyssesAttention(cfg, 1, AttnMaskType.causal, ulysses_group=dist.group.WORLD)
+
+    errs = run_threaded_errors(2, rank_fn)
+    assert all("config.softmax_type='sigmoid' is unknown" in str(e) for e in errs), errs

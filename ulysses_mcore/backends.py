@@ -38,9 +38,21 @@ def has_window(window_size) -> bool:
     return window_size is not None and tuple(window_size) != (-1, -1)
 
 
-def needs_lse_kernel(q, v, window_size=None, softmax_offset=None, return_lse=False) -> bool:
-    """Whether the ``sdpa`` backend runs the tiled log-sum-exp kernel instead of SDPA."""
-    return has_window(window_size) or softmax_offset is not None or bool(return_lse)
+def needs_lse_kernel(q, v, window_size=None, softmax_offset=None, return_lse=False, attention_mask=None,
+                     attention_bias=None, dropout_p=0.0) -> bool:
+    """Whether the ``sdpa`` backend runs the tiled log-sum-exp kernel instead of SDPA: for what SDPA
+    cannot express, and on the CPU for what SDPA can only do with ``[s, s]`` scores -- value heads
+    of another size (its CPU flash kernel takes one head dim) and a mask / constant bias broadcast
+    over the query rows (SDPA would expand it to ``[s, s]``)."""
+    if has_window(window_size) or softmax_offset is not None or bool(return_lse):
+        return True
+    if q.device.type != "cpu" or dropout_p:
+        return False
+    if q.shape[-1] != v.shape[-1]:
+        return attention_bias is None or not attention_bias.requires_grad
+    rows = [t for t in (attention_mask, attention_bias) if t is not None]
+    return bool(rows) and all(t.shape[-2] == 1 for t in rows) and not (
+        attention_bias is not None and attention_bias.requires_grad)
 
 
 def _to_bhsd(x: torch.Tensor, layout: str) -> torch.Tensor:
@@ -76,11 +88,14 @@ def sdpa_attention(
     lengths inside padded slots; pad tokens are neither queries nor keys (zero output).
 
     What SDPA cannot express -- ``window_size=(left, right)``, ``softmax_offset`` (per-head sink
-    logits, ``[hq]`` of the heads given here), ``return_lse`` (then ``(out, lse)``), a value head
-    dim other than the query's -- runs through the tiled log-sum-exp kernel
+    logits, ``[hq]`` of the heads given here), ``return_lse`` (then ``(out, lse)``) -- and, on the
+    CPU, value heads of another size and masks / biases broadcast over the query rows (SDPA would
+    hold ``[s, s]`` scores for them) run through the tiled log-sum-exp kernel
     (:func:`ulysses_mcore.ring.ring_attention` without a ring): exact, memory ``O(s x tile)``,
     tiles outside the window skipped.  ``heads``: the global query heads held (unused here)."""
-    if needs_lse_kernel(q, v, window_size, softmax_offset, return_lse):
+    explicit = has_window(window_size) or softmax_offset is not None or bool(return_lse)
+    if explicit or (cu_seqlens is None and needs_lse_kernel(q, v, attention_mask=attention_mask,
+                                                            attention_bias=attention_bias, dropout_p=dropout_p)):
         from .ring import ring_attention
 
         if dropout_p:

@@ -68,6 +68,8 @@ def swap_core_attention(spec, *, backend: Union[str, object] = "sdpa", ulysses_g
                 and hasattr(node, "__dataclass_fields__") and hasattr(node, "core_attention")
                 and (hasattr(node, "linear_qkv") or hasattr(node, "linear_kv_down_proj"))):  # self-attention, MLA too
             count[0] += 1
+            if hasattr(node, "linear_kv_down_proj"):
+                _mla_without_transformer_engine()
             return _replaced(node, core_attention=ModuleSpec(module=UlyssesAttention, params=dict(params)))
         return None
 
@@ -155,7 +157,5 @@ def get_ulysses_layer_spec(
         backend = backend or "te"
     else:
         raise ValueError(f"base={base!r}: use 'local' (plain torch, CPU) or 'te' (Transformer Engine)")
-    if kwargs.get("multi_latent_attention"):
-        _mla_without_transformer_engine()
     spec = swap_core_attention(spec, backend=backend)
     return swap_mlp(spec, chunk_tokens=mlp_chunk_tokens) if mlp_chunk_tokens else spec
