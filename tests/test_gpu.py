@@ -161,3 +161,39 @@ def test_threaded_world_on_one_gpu_matches_float64_without_host_syncs(P):
     for i, r in enumerate((ref, qr.grad, kr.grad, vr.grad)):
         got = torch.cat([res[rank][i].double().cpu() for rank in range(P)])
         assert ((got - r).abs().max() / r.abs().max()).item() < 1e-4, i
+
+
+GPU_VARIANTS = [  # backend, options: each kernel with what it supports natively (docs/variants.md)
+    ("sdpa", dict(window_size=(32, 0))), ("flash", dict(window_size=(32, 0))), ("te", dict(window_size=(32, 0))),
+    ("sdpa", dict(dv=32)), ("te", dict(dv=32)),
+    ("sdpa", dict(softmax_offset=True, return_lse=True, window_size=(48, 0))),
+]
+
+
+@pytest.mark.parametrize("backend,opts", GPU_VARIANTS, ids=[f"{b}-{'-'.join(o)}" for b, o in GPU_VARIANTS])
+def test_variant_kernels_on_gpu_match_float64(backend, opts):
+    """MLA, sliding windows, sinks and the lse through each GPU kernel, bf16, against float64."""
+    from ulysses_mcore import backends, ulysses_attention
+
+    if backends.backend_error(backend):
+        pytest.skip(backends.backend_error(backend))
+    opts = dict(opts)
+    q, k, v, _ = (t.cuda() for t in _inputs())
+    if opts.pop("dv", None):
+        v = v[..., :32].contiguous()
+    dout = torch.randn(*q.shape[:3], v.shape[-1], device="cuda", dtype=q.dtype)
+    sink = torch.linspace(-1, 1, q.shape[2], device="cuda").requires_grad_() if opts.pop("softmax_offset", False) else None
+    qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
+    res = ulysses_attention(qs, ks, vs, group=None, causal=True, backend=backend, softmax_offset=sink, **opts)
+    out, lse = res if opts.get("return_lse") else (res, None)
+    (out.float() * dout.float()).sum().add(lse.sum() if lse is not None else 0).backward()
+    qr, kr, vr = (t.double().cpu().requires_grad_() for t in (q, k, v))
+    sr = sink.detach().double().cpu().requires_grad_() if sink is not None else None
+    ro, rl = reference_attention(qr, kr, vr, causal=True, window_size=opts.get("window_size"), softmax_offset=sr,
+                                 return_lse=True)
+    ((ro * dout.double().cpu()).sum() + (rl.sum() if lse is not None else 0)).backward()
+    pairs = [(out, ro), (qs.grad, qr.grad), (ks.grad, kr.grad), (vs.grad, vr.grad)]
+    if lse is not None:
+        pairs += [(lse, rl), (sink.grad, sr.grad)]
+    for a, r in pairs:
+        assert ((a.double().cpu() - r).abs().max() / r.abs().max()).item() < 3e-2

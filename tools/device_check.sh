@@ -3,7 +3,7 @@
 # Needs torch with CUDA; megatron-core, flash-attn and transformer-engine are optional (wheels in
 # .whl/ are installed with --no-index if present).  Writes every result into OUT_DIR:
 #   env.txt          GPU, torch, what is installed
-#   gpu_tests.txt    tests/test_gpu.py: kernels vs float64, a threaded world of P ranks on the GPU
+#   gpu_tests.txt    tests/test_gpu.py: kernels (and MLA / window / sinks / lse variants) vs float64, a threaded world of P ranks on the GPU
 #                    vs float64 with the steady-state no-host-sync check (set_sync_debug_mode)
 #   gpu_bench.*      tools/bench_gpu.py: kernels, layout copies, memory
 #   pretrain.txt     a single-GPU pretrain run (throughput and peak memory), if megatron-core imports
