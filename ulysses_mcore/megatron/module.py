@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.utils import is_layer_window_attention
 
 from .. import state
 from ..attention import ulysses_attention
@@ -56,25 +57,15 @@ def resolve_groups(config, pg_collection, ulysses_group=None, ring_group=None):
     return cp, None
 
 
-def _tp_rank(tp_group) -> int:
+def _tp_size_and_rank(tp_group):
+    """Tensor-parallel (size, rank): of Megatron's ``pg_collection.tp`` when given, else of parallel_state."""
     if tp_group is not None:
-        return dist.get_rank(tp_group)
+        return dist.get_world_size(tp_group), dist.get_rank(tp_group)
     from megatron.core import parallel_state
 
-    return parallel_state.get_tensor_model_parallel_rank() if parallel_state.model_parallel_is_initialized() else 0
-
-
-def _is_window_layer(config, layer_number: int) -> bool:
-    """Megatron's rule: ``window_size`` set, and the layer not one ``window_attn_skip_freq`` keeps full."""
-    window = getattr(config, "window_size", None)
-    if not window:
-        return False
-    skip = getattr(config, "window_attn_skip_freq", None)
-    if skip is None:
-        return True
-    if isinstance(skip, int):
-        return layer_number % skip != 0
-    return bool(skip[layer_number - 1])
+    if not parallel_state.model_parallel_is_initialized():
+        return 1, 0
+    return parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
 
 
 class UlyssesAttention(MegatronModule):
@@ -135,12 +126,8 @@ class UlyssesAttention(MegatronModule):
         self.token_order = token_order or ("load_balanced" if cp_size > 1 else "contiguous")
 
         tp_group = getattr(pg_collection, "tp", None) if pg_collection is not None else None
-        if tp_group is None:
-            from megatron.core import parallel_state
-
-            tp = parallel_state.get_tensor_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
-        else:
-            tp = dist.get_world_size(tp_group)
+        tp, self.tp_rank = _tp_size_and_rank(tp_group)
+        self.tp_group = tp_group
         self.group, self.ring_group = resolve_groups(config, pg_collection, ulysses_group, ring_group)
         self.degree, self.ring = _size(self.group), _size(self.ring_group)
         self.validator = Validator()
@@ -159,9 +146,9 @@ class UlyssesAttention(MegatronModule):
         # Head counts live on the instance, never in process-global state.
         self.num_q_heads = heads // tp
         self.num_kv_heads = groups // tp
-        # MLA passes k_channels (query/key head dim) and v_channels (value head dim), as to TE's module
+        # MLA passes k_channels (query/key head dim, for the default scale) and v_channels (value head
+        # dim: the output's, read from the value itself), as to TE's module
         self.head_dim = k_channels or config.kv_channels
-        self.v_head_dim = v_channels or self.head_dim
         err = head_layout_error(self.num_q_heads, self.num_kv_heads, self.degree)
         if err:
             raise ValueError(
@@ -170,13 +157,12 @@ class UlyssesAttention(MegatronModule):
             )
         # sliding window, per layer as Megatron decides it (window_attn_skip_freq: some layers full)
         self.window_size = None
-        if _is_window_layer(config, layer_number):
+        if is_layer_window_attention(getattr(config, "window_size", None),
+                                     getattr(config, "window_attn_skip_freq", None), layer_number):
             self.window_size = tuple(int(x) for x in config.window_size)
         # attention sinks: Megatron's softmax_type ("off-by-one": a zero logit per head; "learnable":
         # a per-head parameter, sharded over tensor parallelism, replicated over Ulysses / ring / dp)
         self.softmax_type = getattr(config, "softmax_type", "vanilla")
-        self.tp_rank = _tp_rank(tp_group)
-        self.tp_group = tp_group
         if self.softmax_type == "off-by-one":
             self.register_buffer("softmax_offset", torch.zeros(self.num_q_heads), persistent=False)
         elif self.softmax_type == "learnable":
@@ -214,13 +200,12 @@ class UlyssesAttention(MegatronModule):
                     backend=self.backend, causal=causal, softmax_scale=self.softmax_scale, attention_mask=mask,
                     attention_bias=attention_bias, dropout_p=self.dropout_p if self.training else 0.0,
                     token_order=order, cu_seqlens=cu, seqlens=lens, window_size=self.window_size,
-                    softmax_offset=self.softmax_offset, first_head=self.tp_rank * self.num_q_heads)
+                    softmax_offset=self.softmax_offset)
         if self.check:  # once per input signature (the module's own checks included); cached after that
-            opts = {k_: v_ for k_, v_ in call.items() if k_ != "first_head"}
             self.validator.check(query, key, value, degree=self.degree, ring=self.ring, overlap_chunks=1,
                                  cu_seqlens_kv=cu_kv, expected_heads=(self.num_q_heads, self.num_kv_heads),
-                                 qkv_format=getattr(packed_seq_params, "qkv_format", None), **opts)
-        out = ulysses_attention(query, key, value, check=False, **call)
+                                 qkv_format=getattr(packed_seq_params, "qkv_format", None), **call)
+        out = ulysses_attention(query, key, value, check=False, first_head=self.tp_rank * self.num_q_heads, **call)
         if cu is not None:
             return out.reshape(out.shape[0], -1)  # [t, h*d]; Megatron adds the batch dim back
         return out.reshape(out.shape[0], out.shape[1], -1)
