@@ -38,14 +38,24 @@ def has_window(window_size) -> bool:
     return window_size is not None and tuple(window_size) != (-1, -1)
 
 
-def needs_lse_kernel(q, v, window_size=None, softmax_offset=None, return_lse=False, attention_mask=None,
-                     attention_bias=None, dropout_p=0.0) -> bool:
-    """Whether the ``sdpa`` backend runs the tiled log-sum-exp kernel instead of SDPA: for what SDPA
-    cannot express, and on the CPU for what SDPA can only do with ``[s, s]`` scores -- value heads
-    of another size (its CPU flash kernel takes one head dim) and a mask / constant bias broadcast
-    over the query rows (SDPA would expand it to ``[s, s]``)."""
-    if has_window(window_size) or softmax_offset is not None or bool(return_lse):
-        return True
+VARIANT_OPTIONS = ("window_size", "softmax_offset", "return_lse")
+
+
+def options_set(window_size=None, softmax_offset=None, return_lse=False) -> list:
+    """The names of the variant options in use (a window of (-1, -1) is none), in ``VARIANT_OPTIONS`` order."""
+    on = (has_window(window_size), softmax_offset is not None, return_lse is not None and return_lse is not False)
+    return [name for name, used in zip(VARIANT_OPTIONS, on) if used]
+
+
+def _kernel_window(kw, none=(-1, -1)):
+    """The window a flash / TE kernel takes: ``kw["window_size"]`` as a tuple, or ``none``."""
+    return tuple(kw["window_size"]) if has_window(kw.get("window_size")) else none
+
+
+def cpu_prefers_lse_kernel(q, v, attention_mask=None, attention_bias=None, dropout_p=0.0) -> bool:
+    """Whether, on the CPU, the ``sdpa`` backend runs the tiled log-sum-exp kernel for what SDPA can
+    only do with ``[s, s]`` scores: value heads of another size (its CPU flash kernel takes one head
+    dim) and a mask / constant bias broadcast over the query rows (SDPA would expand it)."""
     if q.device.type != "cpu" or dropout_p:
         return False
     if q.shape[-1] != v.shape[-1]:
@@ -93,9 +103,8 @@ def sdpa_attention(
     hold ``[s, s]`` scores for them) run through the tiled log-sum-exp kernel
     (:func:`ulysses_mcore.ring.ring_attention` without a ring): exact, memory ``O(s x tile)``,
     tiles outside the window skipped.  ``heads``: the global query heads held (unused here)."""
-    explicit = has_window(window_size) or softmax_offset is not None or bool(return_lse)
-    if explicit or (cu_seqlens is None and needs_lse_kernel(q, v, attention_mask=attention_mask,
-                                                            attention_bias=attention_bias, dropout_p=dropout_p)):
+    if options_set(window_size, softmax_offset, return_lse) or (
+            cu_seqlens is None and cpu_prefers_lse_kernel(q, v, attention_mask, attention_bias, dropout_p)):
         from .ring import ring_attention
 
         if dropout_p:
@@ -181,16 +190,15 @@ def flash_attention(q, k, v, *, causal, softmax_scale=None, layout="sbhd", dropo
                                     window_size=kw.get("window_size"))
             return q.new_zeros(q.shape[0], *inner.shape[1:]).index_copy(0, rows, inner)
         cu32, maxlen = _varlen_args(cu, q.device)
-        window = tuple(kw["window_size"]) if has_window(kw.get("window_size")) else (-1, -1)
         out = flash_attn_varlen_func(q[:, 0], k[:, 0], v[:, 0], cu32, cu32, maxlen, maxlen, dropout_p,
-                                     softmax_scale=softmax_scale, causal=causal, window_size=window)
+                                     softmax_scale=softmax_scale, causal=causal, window_size=_kernel_window(kw))
         return out.unsqueeze(1)
     if kw.get("attention_mask") is not None or kw.get("attention_bias") is not None:
         raise ValueError(
             "backend='flash' supports causal or no mask only; got an attention_mask or "
             "attention_bias: use backend='sdpa' (or 'te') for masks and bias"
         )
-    window = tuple(kw["window_size"]) if has_window(kw.get("window_size")) else (-1, -1)
+    window = _kernel_window(kw)
     try:
         from flash_attn_interface import flash_attn_func  # flash-attn 3 (Hopper)
 
@@ -222,7 +230,7 @@ def te_attention(q, k, v, *, causal, softmax_scale=None, layout="sbhd", dropout_
     mask, bias = kw.get("attention_mask"), kw.get("attention_bias")
     ring, cu = kw.get("ring_group"), kw.get("cu_seqlens")
     hq, hk, d, dv = q.shape[2], k.shape[2], q.shape[3], v.shape[3]
-    window = tuple(kw["window_size"]) if has_window(kw.get("window_size")) else None
+    window = _kernel_window(kw, none=None)
     if cu is not None:
         mask_type = "padding_causal" if causal else "padding"
     elif mask is not None:
@@ -297,15 +305,6 @@ def backend_error(backend) -> Optional[str]:
     return None
 
 
-CALLABLE_OPTIONS = ("window_size", "softmax_offset", "return_lse")
-
-
-def _option_set(name, val) -> bool:
-    if name == "window_size":
-        return has_window(val)
-    return val is not None and val is not False
-
-
 def callable_accepts(fn, name: str) -> bool:
     """Whether a callable backend declares keyword ``name`` (or ``**kwargs``)."""
     try:
@@ -337,11 +336,10 @@ def resolve(backend: Union[str, Kernel]) -> Kernel:
                     "masks, bias and dropout need backend='sdpa' or 'te'"
                 )
             extra = {}
-            for name in CALLABLE_OPTIONS:
-                if _option_set(name, kw.get(name)):
-                    if not callable_accepts(user, name):
-                        raise ValueError(callable_option_error(name))
-                    extra[name] = kw[name]
+            for name in options_set(*(kw.get(n) for n in VARIANT_OPTIONS)):
+                if not callable_accepts(user, name):
+                    raise ValueError(callable_option_error(name))
+                extra[name] = kw[name]
             if kw.get("heads") is not None and callable_accepts(user, "heads"):
                 extra["heads"] = kw["heads"]  # the global query heads this call holds
             return user(q, k, v, causal=causal, softmax_scale=softmax_scale, **extra)

@@ -49,6 +49,7 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from .backends import LSE_TILE, has_window
 from .exchange import all_to_all
 
 Segments = List[Tuple[int, int]]  # (first global position, length)
@@ -382,7 +383,7 @@ def ring_attention(
     unbounded), blocks outside it are skipped.  ``softmax_offset [hq]``: per-head sink logits.
     ``return_lse``: also the log-sum-exp, ``[Sq, b, hq]`` (``sbhd``) / ``[b, Sq, hq]`` (``bshd``),
     in float32 (float64 for float64 inputs).  ``tile``: see :class:`LseAttention`; default
-    whole ring segments, or 512 tokens with a window."""
+    whole ring segments, or ``LSE_TILE`` tokens with a window."""
     seq_dim = 0 if layout == "sbhd" else 1
     C, _ = _ring_size(group)
     if C == 1:
@@ -397,8 +398,8 @@ def ring_attention(
     if cu_seqlens is not None:
         docs = document_ids(cu_seqlens, S, q.device)
     window = attention_window(causal, window_size)
-    if tile is None and window_size is not None and tuple(window_size) != (-1, -1):
-        tile = 512
+    if tile is None and has_window(window_size):
+        tile = LSE_TILE
     out, lse = LseAttention.apply(q5, k5, v5, softmax_offset, group, window, scale, S, token_order,
                                   attention_mask, attention_bias, docs, tile)
     out, lse = out.flatten(1, 2), lse.flatten(1, 2)  # [b, hq, Sq, dv], [b, hq, Sq]

@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .backends import BUILTIN_BACKENDS, backend_error, callable_accepts, callable_option_error, has_window
+from .backends import BUILTIN_BACKENDS, backend_error, callable_accepts, callable_option_error, has_window, options_set
 from .exchange import LAYOUTS, head_layout_error, is_even, overlap_error
 
 TOKEN_ORDERS = ("contiguous", "load_balanced", "per_document")
@@ -228,8 +228,7 @@ def _variant_problem(q, o, ring) -> str:
             return f"softmax_offset is on {offset.device.type} but query on {q.device.type}: move it to one device"
     if not isinstance(lse, bool):
         return f"return_lse must be True or False, got {lse!r}"
-    wants = [n for n, on in (("window_size", has_window(window)), ("softmax_offset", offset is not None),
-                             ("return_lse", lse)) if on]
+    wants = options_set(window, offset, lse)
     if not wants:
         return ""
     if callable(backend):
