@@ -199,7 +199,6 @@ def _parity_world(rank, world, ckpt_dir, controls):
         model, opt = _build(ckpt_dir, load=True, mem=mem)
         dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
-        tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
         per = GLOBAL // dp
         mine = [{k: v[i:i + 1] for k, v in full.items()} for i in range(dp_rank * per, (dp_rank + 1) * per)]
         if mode == "late_shift":  # labels shifted inside each shard: the shard's last token loses its label
@@ -215,14 +214,7 @@ def _parity_world(rank, world, ckpt_dir, controls):
         for step in range(steps):
             loss, grads = _step(model, opt, shards, seq)
             loss_err = max(loss_err, abs(loss - ref[step][0]) / abs(ref[step][0]))
-            err_step = 0.0
-            for name, g in grads.items():
-                p = dict(model.module.named_parameters())[_local(model, name)]
-                want = ref[step][1][name]
-                if getattr(p, "tensor_model_parallel", False):
-                    want = want.chunk(tp, dim=p.partition_dim)[tp_rank]
-                err_step = max(err_step, ((g - want).abs().max() / want.abs().max().clamp_min(1e-12)).item())
-            grad_errs.append(err_step)
+            grad_errs.append(_grad_err(model, grads, ref[step][1]))
         del cp_rank
         # step 0: gradients of identical weights (asserted); later steps follow Adam updates whose
         # first steps amplify float32 rounding of near-zero gradients (reported only)
@@ -287,9 +279,7 @@ def _packed_parity(ckpt_dir):
             loss, grads = _step(model, opt, shards, S_PACKED)
             loss_err = max(loss_err, abs(loss - ref[step][0]) / abs(ref[step][0]))
             if step == 0:  # tp = 1: every rank holds whole gradients
-                for pname, g in grads.items():
-                    want = ref[0][1][pname]
-                    grad_err = max(grad_err, ((g - want).abs().max() / want.abs().max().clamp_min(1e-12)).item())
+                grad_err = _grad_err(model, grads, ref[0][1])
         out["control: packed, documents ignored" if control else name] = {"loss": loss_err, "grad": grad_err, "later": 0.0}
     return out
 
@@ -322,7 +312,9 @@ def _mla_parity(ckpt_dir):
     unsharded = [_step(model, opt, [{k: v[i:i + 1] for k, v in full.items()} for i in range(GLOBAL)], S_REAL)
                  for _ in range(STEPS)]
 
-    def run(cfg):
+    def run(cfg, ref, slice_ref=True):
+        """Steps of ``cfg``, held to ``ref``: loss of every step, every gradient of the first (the
+        reference's whole tensors sliced for tp when ``slice_ref``, else compared shard to shard)."""
         groups.destroy()
         ulysses_mcore.initialize(**cfg, verbose=False)
         model, opt = _build(ckpt_dir, load=True, mla=True)
@@ -332,32 +324,32 @@ def _mla_parity(ckpt_dir):
                   for i in range(dp_rank * per, (dp_rank + 1) * per)]
         seq = shards[0]["tokens"].shape[1] * cp
         steps = [_step(model, opt, shards, seq) for _ in range(STEPS)]
-        tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-        params = {n: p for n, p in model.module.named_parameters()}
-        split = {name: (params[_local(model, name)], tp, tp_rank) for name in steps[0][1]}
-        return steps, split
-
-    def compare(steps, split, ref, slice_ref):
         loss_err = max(abs(a[0] - b[0]) / abs(b[0]) for a, b in zip(steps, ref))
-        grad_err = 0.0
-        for name, g in steps[0][1].items():
-            p, tp, tp_rank = split[name]
-            want = ref[0][1][name]
-            if slice_ref and getattr(p, "tensor_model_parallel", False):
-                want = want.chunk(tp, dim=p.partition_dim)[tp_rank]
-            grad_err = max(grad_err, ((g - want).abs().max() / want.abs().max().clamp_min(1e-12)).item())
-        return {"loss": loss_err, "grad": grad_err, "later": 0.0}
+        return steps, {"loss": loss_err, "grad": _grad_err(model, steps[0][1], ref[0][1], slice_ref), "later": 0.0}
 
     out = {}
-    steps, split = run(dict(ulysses=2))
-    out["mla {'ulysses': 2}"] = compare(steps, split, unsharded, True)
-    tp_steps, split = run(dict(tp=2))
-    out["mla tp 2 (Megatron's MLA tp bug)"] = compare(tp_steps, split, unsharded, True)
-    steps, split = run(dict(tp=2, ulysses=2))
-    res = compare(steps, split, tp_steps, False)
+    _, out["mla {'ulysses': 2}"] = run(dict(ulysses=2), unsharded)
+    tp_steps, out["mla tp 2 (Megatron's MLA tp bug)"] = run(dict(tp=2), unsharded)
+    steps, res = run(dict(tp=2, ulysses=2), tp_steps, slice_ref=False)
     res["loss"] = max(res["loss"], abs(steps[0][0] - unsharded[0][0]) / abs(unsharded[0][0]))
     out["mla {'tp': 2, 'ulysses': 2}"] = res
     return out
+
+
+def _grad_err(model, grads, want_grads, slice_ref=True):
+    """Max relative error of this rank's gradients against ``want_grads`` (by global name); with
+    ``slice_ref`` a tensor-parallel parameter is compared with this rank's slice of the whole one."""
+    from megatron.core import parallel_state as ps
+
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    params = dict(model.module.named_parameters())
+    err = 0.0
+    for name, g in grads.items():
+        p, want = params[_local(model, name)], want_grads[name]
+        if slice_ref and getattr(p, "tensor_model_parallel", False):
+            want = want.chunk(tp, dim=p.partition_dim)[tp_rank]
+        err = max(err, ((g - want).abs().max() / want.abs().max().clamp_min(1e-12)).item())
+    return err
 
 
 def _te_thd_shard(mb, rank, cp):
