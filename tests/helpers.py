@@ -6,6 +6,8 @@
   "address in use"); each rank's exception is re-raised here naming the rank.
 * :func:`reference_attention` -- float64 softmax attention written out by hand over the
   whole sequence (no SDPA): the oracle every parallel result is compared with.
+* :func:`reference_seq_to_head` / :func:`shard_tokens` -- what the exchange must deliver, by
+  plain indexing (no collective).
 """
 
 from __future__ import annotations
@@ -306,3 +308,17 @@ class CollectiveCounter:
 
 def count_collectives() -> CollectiveCounter:
     return CollectiveCounter()
+
+
+# ----------------------------------------------------------------------------- exchange references
+def reference_seq_to_head(full: torch.Tensor, rank: int, plan, kind: str, layout: str = "sbhd"):
+    """Heads of ``rank`` from the full-sequence tensor (``kind`` 'q' or 'kv'): what the exchange delivers."""
+    lo, hi = plan.q_range(rank) if kind == "q" else plan.kv_range(rank)
+    return full[:, :, lo:hi]
+
+
+def shard_tokens(full: torch.Tensor, rank: int, degree: int, layout: str = "sbhd") -> torch.Tensor:
+    """Contiguous token shard ``rank`` of ``degree`` of a full-sequence tensor."""
+    from ulysses_mcore.exchange import seq_dim
+
+    return full.chunk(degree, dim=seq_dim(layout))[rank]

@@ -1,18 +1,23 @@
 #!/usr/bin/env python3
-"""Per-call overhead of ``ulysses_attention`` beyond its two all-to-alls and its kernel.
+"""Per-call host overhead of ``ulysses_attention`` and DeepSpeed's ``DistributedAttention``
+beyond the floor: two all-to-alls and the kernel (forward), four and the kernel's backward.
 
-    python tools/bench_overhead.py --degrees 2,4,8 --calls 300
+    python tools/bench_overhead.py --degrees 2,4,8 --calls 200 --runs 5 --json docs/perf/bench_overhead.json
 
-One gloo world of P processes per degree, tiny tensors (the exchange and kernel cost little,
-so what remains is the Python/validation overhead).  Steady state: each timing is a median
-over ``--calls`` forward calls after warm-up.  Measured in the same world, same shapes:
+One gloo world of P processes per degree and run, tiny tensors (8 tokens per rank, 2P heads of
+8: the exchange and the kernel cost little, so what remains is host work).  Steady state: each
+timing is the median over ``--calls`` calls after a warm-up, every rank synchronised by a barrier
+before each call, the better of two interleaved passes.  Measured in the same world, same shapes:
 
-* ``call``: ``ulysses_attention(q, k, v, group=..., causal=True)`` (forward only);
-* ``floor``: two bare ``all_to_all_single`` of exactly the bytes the call exchanges (q, k, v
-  packed, then the output) plus the same SDPA kernel on the gathered sequence.
+* ``ulysses``: ``ulysses_attention(q, k, v, group=..., causal=True)`` (SDPA inside);
+* ``deepspeed``: ``deepspeed.sequence.layer.DistributedAttention`` around the same SDPA call;
+* ``floor``: bare ``all_to_all_single`` calls of exactly the bytes a Ulysses call exchanges (q, k,
+  v packed, then the output; backward: the output gradient, then q, k, v's) plus the same SDPA
+  kernel on the gathered sequence (forward; forward + backward).
 
-Overhead = call - floor, in microseconds (rank 0's medians; every rank synchronises first).
-Prints a table; ``--json PATH`` writes it.  Runs against whatever ``ulysses_mcore`` imports.
+Overhead = implementation - floor, in microseconds (rank 0's medians); backward overhead = the
+fwd+bwd overhead minus the forward one.  Prints a table per run and a min / median / max summary;
+``--json PATH`` writes every run.
 """
 
 from __future__ import annotations
@@ -38,60 +43,137 @@ def _median_us(fn, calls, barrier):
     return statistics.median(times) * 1e6
 
 
-def _world(rank, world, port, calls, queue):
+def _deepspeed(group):
+    """DeepSpeed's DistributedAttention (its C++ shared-memory all-reduce op, which it would build
+    with g++ for minutes and which this benchmark never calls, switched off)."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.sequence.layer import DistributedAttention
+
+    from ulysses_mcore.backends import sdpa_plain
+
+    shm = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if shm is not None:
+        deepspeed.ops.__compatible_ops__[shm.NAME] = False
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    return DistributedAttention(lambda a, b, c, *_: sdpa_plain(a, b, c, causal=True), group,
+                                scatter_idx=2, gather_idx=0)
+
+
+def _tasks(world, group):
+    """name -> (forward-only call, forward + backward call)."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
 
     import ulysses_mcore
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    P, s_local, b, h, d = world, 8, 1, 2 * world, 8
+    q, k, v, dout = (torch.randn(s_local, b, h, d) for _ in range(4))
+    ds = _deepspeed(group)
+    qkv = [torch.randn(s_local * b * 3 * h * d) for _ in range(2)]
+    o = [torch.randn(s_local * b * h * d) for _ in range(2)]
+    full = [torch.randn(b, h // P, s_local * P, d) for _ in range(4)]
+
+    def ulysses(q, k, v):
+        return ulysses_mcore.ulysses_attention(q, k, v, group=group, causal=True)
+
+    def deepspeed(q, k, v):
+        return ds(q, k, v, 1)  # batch dim of [s, b, h, d]
+
+    def impl(fn):
+        grads = [t.clone().requires_grad_() for t in (q, k, v)]
+        return (lambda: fn(q, k, v)), (lambda: fn(*grads).backward(dout))
+
+    def floor_fwd():
+        dist.all_to_all_single(qkv[1], qkv[0], group=group)
+        out = F.scaled_dot_product_attention(*full[:3], is_causal=True)
+        dist.all_to_all_single(o[1], o[0], group=group)
+        return out
+
+    leaves = [t.clone().requires_grad_() for t in full[:3]]
+
+    def floor_fwd_bwd():
+        dist.all_to_all_single(qkv[1], qkv[0], group=group)
+        out = F.scaled_dot_product_attention(*leaves, is_causal=True)
+        dist.all_to_all_single(o[1], o[0], group=group)
+        dist.all_to_all_single(o[0], o[1], group=group)
+        out.backward(full[3])
+        dist.all_to_all_single(qkv[0], qkv[1], group=group)
+
+    return {"ulysses": impl(ulysses), "deepspeed": impl(deepspeed), "floor": (floor_fwd, floor_fwd_bwd)}
+
+
+def _world(rank, world, port, calls, queue):
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    P, s_local, b, hq, hk, d = world, 8, 1, 2 * world, 2 * world, 8
-    q, k, v = (torch.randn(s_local, b, h, d) for h in (hq, hk, hk))
-    group = dist.group.WORLD
-
-    def call():
-        ulysses_attention(q, k, v, group=group, causal=True)
-
-    ulysses_attention = ulysses_mcore.ulysses_attention
-    send_qkv = torch.randn(s_local * b * (hq + 2 * hk) * d)
-    recv_qkv = torch.empty_like(send_qkv)
-    send_o = torch.randn(s_local * b * hq * d)
-    recv_o = torch.empty_like(send_o)
-    qf, kf, vf = (torch.randn(b, h // P, s_local * P, d) for h in (hq, hk, hk))
-
-    def floor():
-        dist.all_to_all_single(recv_qkv, send_qkv, group=group)
-        F.scaled_dot_product_attention(qf, kf, vf, is_causal=True)
-        dist.all_to_all_single(recv_o, send_o, group=group)
-
-    for _ in range(20):  # warm-up (the first call of a signature validates)
-        call()
-        floor()
+    tasks = _tasks(world, dist.group.WORLD)
+    for fwd, both in tasks.values():  # warm-up (the first call of a signature validates and prepares)
+        for _ in range(20):
+            fwd()
+            both()
     res = {}
-    for name, fn in (("call", call), ("floor", floor), ("call2", call), ("floor2", floor)):
-        res[name] = _median_us(fn, calls, dist.barrier)
+    for _ in range(2):  # two interleaved passes, the better of each kept
+        for name, (fwd, both) in tasks.items():
+            for mode, fn in (("fwd", fwd), ("fwd_bwd", both)):
+                t = _median_us(fn, calls, dist.barrier)
+                res[f"{name}_{mode}_us"] = min(t, res.get(f"{name}_{mode}_us", float("inf")))
     if rank == 0:
-        queue.put(dict(P=world, call_us=min(res["call"], res["call2"]), floor_us=min(res["floor"], res["floor2"])))
+        queue.put(dict(P=world, **res))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _row(r):
+    for name in ("ulysses", "deepspeed"):
+        fwd = r[f"{name}_fwd_us"] - r["floor_fwd_us"]
+        r[f"{name}_fwd_over_us"] = fwd
+        r[f"{name}_bwd_over_us"] = (r[f"{name}_fwd_bwd_us"] - r["floor_fwd_bwd_us"]) - fwd
+    return r
+
+
+def _summary(rows, degrees):
+    cols = ("ulysses_fwd_over_us", "ulysses_bwd_over_us", "deepspeed_fwd_over_us", "deepspeed_bwd_over_us")
+    lines = ["| P | " + " | ".join(c.replace("_over_us", "").replace("_", " ") + " (min / median / max us)"
+                                   for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for P in degrees:
+        mine = [r for r in rows if r["P"] == P]
+        cells = []
+        for c in cols:
+            vals = sorted(r[c] for r in mine)
+            cells.append(f"{vals[0]:.0f} / {statistics.median(vals):.0f} / {vals[-1]:.0f}")
+        lines.append(f"| {P} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--degrees", default="2,4,8")
-    p.add_argument("--calls", type=int, default=300)
+    p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--runs", type=int, default=1, help="separate worlds per degree (a new set of processes each)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
+    degrees = [int(x) for x in a.degrees.split(",")]
     rows = []
-    for P in (int(x) for x in a.degrees.split(",")):
-        (r,) = run_world(P, _world, a.calls, what=f"the overhead benchmark at P={P}")
-        r["overhead_us"] = r["call_us"] - r["floor_us"]
-        rows.append(r)
-        print(f"P={P}: call {r['call_us']:.0f} us, two all-to-alls + kernel {r['floor_us']:.0f} us, "
-              f"overhead {r['overhead_us']:.0f} us", flush=True)
+    for run in range(1, a.runs + 1):
+        for P in degrees:
+            (r,) = run_world(P, _world, a.calls, what=f"the overhead benchmark at P={P}")
+            r = _row(dict(r, run=run))
+            rows.append(r)
+            print(f"[run {run}/{a.runs}] P={P}: floor {r['floor_fwd_us']:.0f} us fwd, {r['floor_fwd_bwd_us']:.0f} us "
+                  f"fwd+bwd | overhead beyond it: ulysses {r['ulysses_fwd_over_us']:.0f} fwd + "
+                  f"{r['ulysses_bwd_over_us']:.0f} bwd, DeepSpeed {r['deepspeed_fwd_over_us']:.0f} fwd + "
+                  f"{r['deepspeed_bwd_over_us']:.0f} bwd", flush=True)
+    print()
+    print(_summary(rows, degrees))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

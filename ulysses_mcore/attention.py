@@ -1,60 +1,24 @@
 """Ulysses attention: validate (once) -> all-to-all -> any attention kernel -> all-to-all.
 
-:func:`ulysses_attention` is the framework-neutral functional form (torch only).  The
-Megatron-Core ``core_attention`` module built on it is
-:class:`ulysses_mcore.megatron.module.UlyssesAttention`.
+:func:`ulysses_attention` is the framework-neutral functional form (torch only): it turns its
+keywords into one :class:`~ulysses_mcore.options.AttentionOptions` record (a dict lookup) and
+runs the prepared call of the signature (:mod:`ulysses_mcore.call`).  The Megatron-Core
+``core_attention`` module built on it is :class:`ulysses_mcore.megatron.module.UlyssesAttention`.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple, Union
+from typing import Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
-from .backends import Kernel, has_window, resolve
-from .exchange import HeadPlan, expand_kv, head_to_seq, pack_lse, seq_dim, seq_to_head, unpack_lse
-from .validation import Validator
+from .backends import Kernel
+from .call import NO_TENSORS, CallCache, CallTensors
+from .options import attention_options
+from .orders import load_balanced_permutation, per_document_order  # noqa: F401 - public here too
 
-VALIDATOR = Validator()  # the functional API's verdicts, cached per group and call signature
-
-
-def load_balanced_permutation(degree: int) -> List[int]:
-    """Megatron's dual-chunk order: the sequence is cut into ``2P`` chunks and rank ``r``
-    holds chunks ``r`` and ``2P-1-r``.  Entry ``p`` is the natural chunk at position ``p``
-    of the rank-ordered (received) sequence: ``[0, 2P-1, 1, 2P-2, ...]``."""
-    return [p // 2 if p % 2 == 0 else 2 * degree - 1 - p // 2 for p in range(2 * degree)]
-
-
-def per_document_order(cu_seqlens: torch.Tensor, degree: int) -> torch.Tensor:
-    """Transformer Engine's / Megatron's THD context-parallel layout: every document (length a
-    multiple of ``2P``) is cut into ``2P`` chunks and rank ``r`` holds chunks ``r`` and
-    ``2P-1-r`` of each, documents in order.  Returns the natural position of each token of
-    the concatenation of ranks ``0 .. P-1`` (what the all-to-all delivers).  Vectorised:
-    it runs in every layer's forward, on streams of up to millions of tokens."""
-    from .ring import document_ids
-
-    cu = cu_seqlens.to(torch.long)
-    total = int(cu[-1])
-    pos = torch.arange(total)
-    doc = document_ids(cu, total)
-    start = cu[doc]
-    chunk = (cu[1:] - cu[:-1])[doc] // (2 * degree)  # > 0: a token's document is not empty
-    j, off = (pos - start) // chunk, (pos - start) % chunk
-    owner = torch.minimum(j, 2 * degree - 1 - j)
-    # within its owner, a token sits after the earlier documents' 2 chunks each (start / P),
-    # in the document's first or second chunk
-    received = owner * (total // degree) + start // degree + (j >= degree) * chunk + off
-    order = torch.empty_like(pos)
-    order[received] = pos
-    return order
-
-
-def _reorder_chunks(t: torch.Tensor, index: List[int], sd: int) -> torch.Tensor:
-    """Chunks of the sequence dim in the order ``index`` (a permutation of ``2P`` chunks)."""
-    n = len(index)
-    chunks = t.unflatten(sd, (n, t.shape[sd] // n))
-    return torch.cat([chunks.select(sd, i) for i in index], dim=sd)
+CALLS = CallCache()  # the functional API's prepared calls (a UlyssesAttention module keeps its own)
 
 
 def ulysses_attention(
@@ -80,7 +44,6 @@ def ulysses_attention(
     softmax_offset: Optional[torch.Tensor] = None,
     return_lse: bool = False,
     first_head: int = 0,
-    validator: Optional[Validator] = None,
 ):
     """Exact attention over a sequence whose tokens are sharded contiguously over ``group``.
 
@@ -94,8 +57,8 @@ def ulysses_attention(
 
     ``check=True`` (default): the first call of each signature (shapes, dtypes, flags) exchanges
     a typed record of every rank's inputs, so a bad input raises the same ``ValueError`` on every
-    rank instead of hanging a collective; the verdict is cached (``validator``, default one per
-    process), so later calls validate nothing.  ``check=False`` skips it.
+    rank instead of hanging a collective; the call is then prepared once (:mod:`ulysses_mcore.call`),
+    so later calls validate nothing and recompute nothing.  ``check=False`` skips the exchange.
 
     ``token_order="load_balanced"``: Megatron's context-parallel (dual-chunk) shard -- rank ``r``
     holds chunks ``r`` and ``2P-1-r`` of ``2P``; masks still cover the sequence in natural order.
@@ -137,98 +100,13 @@ def ulysses_attention(
     shifts forward and ``2C-1`` backward.  ``group=None`` or a group of size 1 runs the kernel
     directly.
     """
-    degree = 1 if group is None else dist.get_world_size(group)
-    ring = 1 if ring_group is None else dist.get_world_size(ring_group)
-    if degree < 1 or ring < 1:  # no peer waits on a rank outside the group: raising here is safe
-        raise ValueError(f"ulysses_attention: rank {dist.get_rank()} is not a member of the "
-                         f"{'group' if degree < 1 else 'ring_group'} it was given; pass this rank's own group")
-    if check:
-        (validator or VALIDATOR).check(
-            query, key, value, group=group, ring_group=ring_group, degree=degree, ring=ring, layout=layout,
-            backend=backend, causal=causal, softmax_scale=softmax_scale, attention_mask=attention_mask,
-            attention_bias=attention_bias, dropout_p=dropout_p, token_order=token_order,
-            overlap_chunks=overlap_chunks, cu_seqlens=cu_seqlens, seqlens=seqlens, window_size=window_size,
-            softmax_offset=softmax_offset, return_lse=return_lse)
-    thd = layout == "thd"
-    if thd:
-        query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
-        layout = "sbhd"
-    kw = dict(causal=causal, softmax_scale=softmax_scale, layout=layout)
-    for name, val in (("attention_mask", attention_mask), ("attention_bias", attention_bias),
-                      ("cu_seqlens", cu_seqlens), ("seqlens", seqlens)):
-        if val is not None:
-            kw[name] = val
-    if dropout_p:
-        kw["dropout_p"] = dropout_p
-    if has_window(window_size):
-        kw["window_size"] = tuple(window_size)
-    if return_lse:
-        kw["return_lse"] = True
-    kernel = _ring_kernel(backend, ring_group, token_order) if ring > 1 else resolve(backend)
-    if degree == 1:
-        kw["heads"] = (first_head, first_head + query.shape[2])
-        if softmax_offset is not None:
-            kw["softmax_offset"] = softmax_offset
-        out = kernel(query, key, value, **kw)
-    else:
-        out = _exchange_and_attend(query, key, value, group, degree, layout, kernel, kw, token_order,
-                                   overlap_chunks, cu_seqlens, softmax_offset, first_head)
-    if thd:
-        return (out[0].squeeze(1), out[1].squeeze(1)) if return_lse else out.squeeze(1)
-    return out
-
-
-def _exchange_and_attend(query, key, value, group, degree, layout, kernel, kw, token_order, chunks, cu,
-                         offset, first):
-    rank = dist.get_rank(group)
-    plan = HeadPlan(query.shape[2], key.shape[2], degree)
-    to_natural, to_received = _token_orders(token_order, degree, cu, query.device, seq_dim(layout))
-
-    def run_kernel(q, k, v, first_head, num_heads):
-        kwc = dict(kw, heads=(first + first_head, first + first_head + num_heads))
-        for name in ("attention_mask", "attention_bias"):
-            t = kwc.get(name)
-            if t is not None and t.shape[1] != 1:
-                kwc[name] = t[:, first_head:first_head + num_heads]
-        if offset is not None:  # this rank's heads' sinks: autograd routes their gradient back
-            kwc["softmax_offset"] = offset[first_head:first_head + num_heads]
-        q, k, v = (to_natural(t) for t in (q, k, v))
-        res = kernel(q, k, v, **kwc)
-        if kw.get("return_lse"):
-            return to_received(res[0]), to_received(res[1])
-        return to_received(res)
-
-    if chunks > 1:
-        from .overlap import OverlappedUlysses
-
-        qc = plan.q_count(rank) // chunks
-        return OverlappedUlysses.apply(
-            query, key, value, group, plan, layout, chunks,
-            lambda q, k, v, c: run_kernel(q, k, v, plan.q_range(rank)[0] + c * qc, qc))
-    q, k, v = seq_to_head(query, key, value, group, plan, layout, rank)
-    k, v = expand_kv(k, plan, rank), expand_kv(v, plan, rank)
-    lo, hi = plan.q_range(rank)
-    out = run_kernel(q, k, v, lo, hi - lo)
-    if kw.get("return_lse"):  # the lse rides in the output's all-to-all, bit-cast into extra columns
-        out, lse = out
-        dv = out.shape[-1]
-        return unpack_lse(head_to_seq(pack_lse(out, lse), group, plan, layout, rank), dv, lse.dtype)
-    return head_to_seq(out, group, plan, layout, rank)
-
-
-def _token_orders(token_order, degree, cu, device, sd):
-    """(received -> natural, natural -> received) reorderings of the gathered sequence."""
-    if token_order == "load_balanced":
-        perm = load_balanced_permutation(degree)
-        inv = sorted(range(len(perm)), key=perm.__getitem__)
-        return (lambda t: _reorder_chunks(t, inv, sd)), (lambda t: _reorder_chunks(t, perm, sd))
-    if token_order == "per_document":
-        order = per_document_order(cu, degree).to(device)
-        inv = torch.empty_like(order)
-        inv[order] = torch.arange(order.numel(), device=device)
-        return (lambda t: t.index_select(sd, inv)), (lambda t: t.index_select(sd, order))
-    same = lambda t: t  # noqa: E731
-    return same, same
+    opts = attention_options(causal, layout, backend, softmax_scale, dropout_p, token_order, overlap_chunks,
+                             window_size, return_lse)
+    tensors = NO_TENSORS
+    if (attention_mask is not None or attention_bias is not None or cu_seqlens is not None or seqlens is not None
+            or softmax_offset is not None):
+        tensors = CallTensors(attention_mask, attention_bias, cu_seqlens, seqlens, softmax_offset)
+    return CALLS.run(query, key, value, opts, group, ring_group, tensors, first_head, check)
 
 
 def new_sequence_groups(ulysses: int, cp: int = 1):
@@ -252,25 +130,3 @@ def new_sequence_groups(ulysses: int, cp: int = 1):
             if rank in ranks:
                 mine[axis] = g
     return mine["ulysses"], mine["cp"]
-
-
-def _ring_kernel(backend, ring_group, token_order: str) -> Kernel:
-    """The inner kernel when a ring follows the all-to-all: this rank's ring shard in, out."""
-    if backend == "te":
-        from .backends import te_attention
-
-        def te_ring(q, k, v, **kw):
-            return te_attention(q, k, v, ring_group=ring_group, **kw)
-
-        return te_ring
-    from .ring import ring_attention
-
-    def lse_ring(q, k, v, *, causal, softmax_scale=None, layout="sbhd", attention_mask=None,
-                 attention_bias=None, cu_seqlens=None, seqlens=None, window_size=None, softmax_offset=None,
-                 return_lse=False, heads=None):
-        return ring_attention(q, k, v, group=ring_group, causal=causal, softmax_scale=softmax_scale,
-                              layout=layout, token_order=token_order, attention_mask=attention_mask,
-                              attention_bias=attention_bias, cu_seqlens=cu_seqlens, window_size=window_size,
-                              softmax_offset=softmax_offset, return_lse=return_lse)
-
-    return lse_ring

@@ -20,6 +20,7 @@ gives a zero output row (torch's convention).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 from typing import Callable, Optional, Tuple, Union
@@ -27,24 +28,11 @@ from typing import Callable, Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 
+from .options import LSE_TILE, VARIANT_OPTIONS, AttentionOptions, has_window, options_set
+from .ring import ring_attention
+
 BUILTIN_BACKENDS = ("sdpa", "flash", "te")
 Kernel = Callable[..., torch.Tensor]
-
-
-LSE_TILE = 512  # tokens per tile of the log-sum-exp kernel: scores held at once are [b, h, 512, 512]
-
-
-def has_window(window_size) -> bool:
-    return window_size is not None and tuple(window_size) != (-1, -1)
-
-
-VARIANT_OPTIONS = ("window_size", "softmax_offset", "return_lse")
-
-
-def options_set(window_size=None, softmax_offset=None, return_lse=False) -> list:
-    """The names of the variant options in use (a window of (-1, -1) is none), in ``VARIANT_OPTIONS`` order."""
-    on = (has_window(window_size), softmax_offset is not None, return_lse is not None and return_lse is not False)
-    return [name for name, used in zip(VARIANT_OPTIONS, on) if used]
 
 
 def _kernel_window(kw, none=(-1, -1)):
@@ -105,8 +93,6 @@ def sdpa_attention(
     tiles outside the window skipped.  ``heads``: the global query heads held (unused here)."""
     if options_set(window_size, softmax_offset, return_lse) or (
             cu_seqlens is None and cpu_prefers_lse_kernel(q, v, attention_mask, attention_bias, dropout_p)):
-        from .ring import ring_attention
-
         if dropout_p:
             raise ValueError("dropout_p > 0 does not combine with window_size / softmax_offset / return_lse")
         return ring_attention(q, k, v, group=None, causal=causal, softmax_scale=softmax_scale, layout=layout,
@@ -116,6 +102,9 @@ def sdpa_attention(
     if cu_seqlens is not None:
         return _sdpa_varlen(q, k, v, cu_seqlens, seqlens, causal=causal, softmax_scale=softmax_scale,
                             dropout_p=dropout_p)
+    if attention_mask is None and attention_bias is None:
+        return sdpa_plain(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout, dropout_p=dropout_p,
+                          gqa=q.shape[2] != k.shape[2])
     qb, kb, vb = (_to_bhsd(t, layout) for t in (q, k, v))
     mask = None
     if attention_mask is not None or attention_bias is not None:
@@ -144,6 +133,25 @@ def sdpa_attention(
         enable_gqa=qb.shape[1] != kb.shape[1],
     )
     return _from_bhsd(out, layout)
+
+
+def sdpa_plain(q, k, v, *, causal, softmax_scale=None, layout="sbhd", dropout_p=0.0, gqa=False, heads=None):
+    """SDPA without masks, bias or variants: two permuted views in, one out (``heads``: unused)."""
+    out = F.scaled_dot_product_attention(_to_bhsd(q, layout), _to_bhsd(k, layout), _to_bhsd(v, layout),
+                                         dropout_p=dropout_p, is_causal=causal, scale=softmax_scale, enable_gqa=gqa)
+    return _from_bhsd(out, layout)
+
+
+def plain_sdpa_kernel(opts: AttentionOptions, q, v, gqa: bool, layout: str):
+    """:func:`sdpa_plain` with ``opts``' keywords bound, when a call has nothing that needs
+    :func:`sdpa_attention`'s routing (a window, the lse, value heads of another size on the CPU),
+    else ``None``."""
+    if opts.backend != "sdpa" or opts.window is not None or opts.return_lse:
+        return None
+    if q.device.type == "cpu" and q.shape[-1] != v.shape[-1]:
+        return None
+    return functools.partial(sdpa_plain, causal=opts.causal, softmax_scale=opts.softmax_scale, layout=layout,
+                             dropout_p=opts.dropout_p or 0.0, gqa=gqa)
 
 
 def _sdpa_varlen(q, k, v, cu_seqlens, seqlens, *, causal, softmax_scale, dropout_p):
@@ -217,7 +225,8 @@ def flash_attention(q, k, v, *, causal, softmax_scale=None, layout="sbhd", dropo
     return to_bshd(out)
 
 
-_TE_CACHE: dict = {}
+_TE_CACHE: dict = {}  # TE modules by (heads, dims, scale, format, mask type, dropout, device, ring, window)
+_TE_CACHE_MAX = 32
 
 
 def te_attention(q, k, v, *, causal, softmax_scale=None, layout="sbhd", dropout_p=0.0, **kw):
@@ -255,6 +264,8 @@ def te_attention(q, k, v, *, causal, softmax_scale=None, layout="sbhd", dropout_
             import torch.distributed as dist
 
             mod.set_context_parallel_group(ring, dist.get_process_group_ranks(ring), torch.cuda.Stream(), "p2p")
+        if len(_TE_CACHE) >= _TE_CACHE_MAX:  # bounded: shapes seen once (evaluation, odd batches) do not pile up
+            _TE_CACHE.clear()
         _TE_CACHE[key] = mod
     extra = {}
     if bias is not None:

@@ -20,14 +20,18 @@ input (``sbhd``: source rank == token block, a view, zero copies).
 Copies per direction (each touches every element once): pack 1, unpack 0 (``sbhd``) or 1
 (``bshd`` with b > 1); the output: pack 0-1, unpack 1; the backward mirrors it.
 
-Single-rank references: :func:`reference_seq_to_head` (pure indexing, no collective); the
-exchange is tested against it and ``head_to_seq`` as its exact inverse.  Layout logic lives in
-:func:`seq_dim` and the two ``_recv_as_layout`` / ``_layout_as_chunks`` helpers only.
+Everything that depends only on the call's shape -- buffer shapes, split sizes, where each
+part sits -- is worked out once into a :class:`QkvRoute` / :class:`OutRoute`, which the
+prepared call (:mod:`ulysses_mcore.attention`) keeps: a steady-state call does the copies and
+the collective, no bookkeeping.  The routes' ``start`` / ``finish`` steps are also what
+:mod:`ulysses_mcore.overlap` pipelines, per head chunk, asynchronously.  Layout logic lives in
+:func:`seq_dim` and the two ``_recv_as_layout`` / ``_chunks_of_full`` helpers only.  The
+single-rank references the exchange is tested against live in ``tests/helpers.py``.
 """
 
 from __future__ import annotations
 
-import os
+import math
 import threading
 from dataclasses import dataclass
 from functools import cached_property
@@ -149,34 +153,34 @@ def _unreferenced(buf: torch.Tensor) -> bool:
     return torch._C._storage_Use_Count(buf.untyped_storage()._cdata) == 2
 
 
-class _BufferPool(threading.local):
+class BufferPool(threading.local):
     """A free list of CPU buffers for the exchange, per thread.
 
     On the CPU every fresh multi-MB tensor costs a page fault per 4 KB on first touch
     (measured: 20 ms for 25 MB -- as long as the all-to-all itself), and glibc returns large
-    blocks to the OS on free, so each call would pay it again.  A buffer is handed out only
-    when nothing else references its storage any more, else a new one is allocated and kept
-    (up to ``per_size`` per size).  CUDA tensors bypass it (the caching allocator does this).
-    ``ULYSSES_MCORE_POOL=0`` turns it off; :meth:`clear` returns the memory."""
+    blocks to the OS on free, so each call would pay it again.  A buffer is handed out (as a
+    view) only when nothing else references its storage any more, else a new one is allocated
+    and kept (up to ``per_size`` per shape).  CUDA tensors bypass it (the caching allocator does
+    this), and so do buffers under ``min_bytes``.  ``enabled = False`` turns it off; :meth:`clear`
+    returns the memory."""
 
     per_size = 64
+    min_bytes = 1 << 17  # below glibc's mmap threshold (128 KB) malloc reuses its heap: nothing to save
 
     def __init__(self):
         self.free_lists: dict = {}
-        self.enabled = os.environ.get("ULYSSES_MCORE_POOL", "1") != "0" and hasattr(torch._C, "_storage_Use_Count")
+        self.enabled = hasattr(torch._C, "_storage_Use_Count")
 
-    def take(self, shape, dtype, device) -> torch.Tensor:
-        device = torch.device(device)
-        if not self.enabled or device.type != "cpu":
+    def take(self, shape: tuple, dtype, device: torch.device) -> torch.Tensor:
+        if not self.enabled or device.type != "cpu" or math.prod(shape) * dtype.itemsize < self.min_bytes:
             return torch.empty(shape, dtype=dtype, device=device)
-        n = 1
-        for x in shape:
-            n *= x
-        bufs = self.free_lists.setdefault((n, dtype), [])
+        bufs = self.free_lists.get((shape, dtype))
+        if bufs is None:
+            bufs = self.free_lists[(shape, dtype)] = []
         for buf in bufs:
             if _unreferenced(buf):
                 return buf.view(shape)
-        buf = torch.empty(n, dtype=dtype, device=device)
+        buf = torch.empty(shape, dtype=dtype, device=device)
         if len(bufs) < self.per_size:
             bufs.append(buf)
         return buf.view(shape)
@@ -185,13 +189,7 @@ class _BufferPool(threading.local):
         self.free_lists.clear()
 
 
-POOL = _BufferPool()
-
-
-def _fresh(view: torch.Tensor, shape) -> torch.Tensor:
-    out = POOL.take(tuple(view.shape), view.dtype, view.device)
-    out.copy_(view)
-    return out.view(shape)
+POOL = BufferPool()
 
 
 # ----------------------------------------------------------------------------- the collective
@@ -211,28 +209,11 @@ def _recv_as_layout(recv: torch.Tensor, layout: str) -> torch.Tensor:
     return recv.transpose(0, 1).reshape(A, P * B, *rest)  # a copy unless b == 1
 
 
-def _layout_as_chunks(x: torch.Tensor, layout: str, P: int) -> torch.Tensor:
-    """Full-sequence ``layout`` tensor -> ``[P, A, B, n, d]`` by token block (contiguous sbhd:
-    a view; else one copy into a pooled buffer)."""
-    if seq_dim(layout) == 0:
-        if x.is_contiguous():
-            return x.view(P, x.shape[0] // P, *x.shape[1:])
-        chunks = x.unflatten(0, (P, x.shape[0] // P))
-    else:
-        chunks = x.unflatten(1, (P, x.shape[1] // P)).transpose(0, 1)
-    return _fresh(chunks, tuple(chunks.shape))
-
-
 def _chunks_of_full(g: torch.Tensor, layout: str, P: int) -> torch.Tensor:
     """A (strided) ``[P, A, B, n, d]`` view of a full-sequence tensor by token block."""
     sd = seq_dim(layout)
     ch = g.unflatten(sd, (P, g.shape[sd] // P))
     return ch if sd == 0 else ch.transpose(0, 1)
-
-
-def _splits(plan: HeadPlan, heads_of, A, B, d) -> List[int]:
-    """Elements per destination rank of a flat buffer holding ``heads_of(j)`` heads for rank j."""
-    return [A * B * heads_of(j) * d for j in range(plan.degree)]
 
 
 # A q/k/v block for one rank is, per (token, batch) row, its nq query heads (head dim dq), then its
@@ -248,71 +229,230 @@ def _part(buf: torch.Tensor, start: int, heads: int, d: int) -> torch.Tensor:
     return buf[..., start:start + heads * d].unflatten(-1, (heads, d))
 
 
-def _width_of_rank(plan: HeadPlan, j: int, dq: int, dv: int) -> int:
-    return _widths(plan.q_count(j), plan.kv_count(j), dq, dv)[1]
+# ----------------------------------------------------------------------------- routes
+class QkvRoute:
+    """The q/k/v exchange of one call shape, worked out once (cached with the prepared call):
+    buffer shapes, split sizes, and each part's place as precomputed strided views, so a call
+    makes views with one C call each and copies.  ``A, B``: the two dims before the heads of a
+    token shard (``sbhd``: ``s/P, b``; ``bshd``: ``b, s/P``).
 
+    Regular plans pack with one strided copy per tensor from 5-D per-destination views
+    ``[A, B, P, n, d]`` (which is also how a head chunk of :mod:`ulysses_mcore.overlap` is
+    given); other plans walk the destinations (uneven heads, kv groups straddling ranks)."""
 
-def _dest_blocks(buf: torch.Tensor, plan: HeadPlan, A, B, dq, dv):
-    """The per-destination blocks of a flat q/k/v buffer in rank order: for each rank j,
-    (its q, k, v parts ``[A, B, n, d]``, its query-head range, its kv-head range)."""
-    flat, off = buf.view(-1), 0
-    for j in range(plan.degree):
-        parts, W = _widths(plan.q_count(j), plan.kv_count(j), dq, dv)
-        blk = flat[off:off + A * B * W].view(A, B, W)
-        yield [_part(blk, *p) for p in parts], plan.q_range(j), plan.kv_range(j)
-        off += A * B * W
+    def __init__(self, plan: HeadPlan, rank: int, A: int, B: int, dq: int, dv: int, layout: str):
+        P = plan.degree
+        self.plan, self.layout, self.sd, self.P, self.A, self.B, self.dq, self.dv = \
+            plan, layout, seq_dim(layout), P, A, B, dq, dv
+        self.mine, W = _widths(plan.q_count(rank), plan.kv_count(rank), dq, dv)
+        self.recv_shape = (P, A, B, W)
+        full = (P * A, B) if self.sd == 0 else (A, P * B)
+        self.full_shape = (*full, W)
+        # this rank's q, k, v in a contiguous [S-ish, B-ish, W] buffer: (size, stride, offset)
+        self.mine_views = [((*full, n, d), (full[1] * W, W, d, 1), start) for start, n, d in self.mine]
+        if plan.regular:
+            self._regular(P, A, B, dq, dv)
+            return
+        self.blocks, off = [], 0  # per destination: (offset, row width, its q range, its kv range)
+        for j in range(P):
+            Wj = _widths(plan.q_count(j), plan.kv_count(j), dq, dv)[1]
+            self.blocks.append((off, Wj, plan.q_range(j), plan.kv_range(j)))
+            off += A * B * Wj
+        self.send_shape = (off,)
+        even = plan.uniform
+        self.send_splits = None if even else [A * B * w for _, w, _, _ in self.blocks]
+        self.recv_splits = None if even else [A * B * W] * P
 
+    def _regular(self, P, A, B, dq, dv):
+        plan = self.plan
+        nq, nk = plan.q_count(0), plan.kv_count(0)
+        self.send_parts, Ws = _widths(nq, nk, dq, dv)
+        self.send_shape, self.send_splits, self.recv_splits = (P, A, B, Ws), None, None
+        self.dest_shapes = [(A, B, P, n, d) for _, n, d in self.send_parts]
+        # each part of the send buffer [P, A, B, Ws] seen as [A, B, P, n, d]: where q.view(A, B, P, n, d) goes
+        self.dest_views = [((A, B, P, n, d), (B * Ws, Ws, A * B * Ws, d, 1), start) for start, n, d in self.send_parts]
+        self.replicas = plan.kv_replicas
 
-def _pack_qkv(q, k, v, plan: HeadPlan) -> Tuple[torch.Tensor, Optional[List[int]]]:
-    """One pass into the send buffer: block j = rank j's q heads, then its k, v heads.
-    Returns the buffer and the per-destination split sizes (None when uniform)."""
-    P = plan.degree
-    A, B, _, dq = q.shape
-    dv = v.shape[3]
-    if plan.regular:
-        qn, kn = plan.q_count(0), plan.kv_count(0)
-        (pq, pk, pv), W = _widths(qn, kn, dq, dv)
-        send = POOL.take((P, A, B, W), q.dtype, q.device)
-        _part(send, *pq).copy_(q.unflatten(2, (P, qn)).permute(2, 0, 1, 3, 4))
-        for (start, _, d), t in ((pk, k), (pv, v)):
-            if plan.kv_replicas == 1:
-                _part(send, start, kn, d).copy_(t.unflatten(2, (P, kn)).permute(2, 0, 1, 3, 4))
-            else:  # each kv head goes to kv_replicas consecutive ranks
-                hk, rep = plan.num_kv_heads, plan.kv_replicas
-                dst = send.view(hk, rep, A, B, W)[..., start:start + d]
-                dst.copy_(t.permute(2, 0, 1, 3)[:, None].expand_as(dst))
-        return send, None
-    sizes = [A * B * _width_of_rank(plan, j, dq, dv) for j in range(P)]
-    send = POOL.take((sum(sizes),), q.dtype, q.device)
-    for (bq, bk, bv), (qlo, qhi), (klo, khi) in _dest_blocks(send, plan, A, B, dq, dv):
-        bq.copy_(q[:, :, qlo:qhi])
-        bk.copy_(k[:, :, klo:khi])
-        bv.copy_(v[:, :, klo:khi])
-    return send, (None if plan.uniform else sizes)
+    # -- forward: pack, exchange, the received parts
+    def pack_all(self, q, k, v) -> torch.Tensor:
+        """q, k, v token shards -> the send buffer (one copy of each)."""
+        send = POOL.take(self.send_shape, q.dtype, q.device)
+        if not self.plan.regular:
+            return self.pack_uneven(q, k, v, send)
+        if self.replicas > 1:
+            return self.pack(q.view(self.dest_shapes[0]), k.unsqueeze(3), v.unsqueeze(3), send)
+        return self.pack(*(t.view(shape) for t, shape in zip((q, k, v), self.dest_shapes)), send)
 
+    def pack(self, q5, k5, v5, send: torch.Tensor) -> torch.Tensor:
+        """Regular plans: ``[A, B, P, n, d]`` views in (a replicated kv head: ``[A, B, hk, 1, d]``);
+        one copy each into ``send [P, A, B, Ws]``."""
+        views = self.dest_views
+        send.as_strided(*views[0]).copy_(q5)
+        if self.replicas == 1:
+            send.as_strided(*views[1]).copy_(k5)
+            send.as_strided(*views[2]).copy_(v5)
+            return send
+        hk, rep = self.plan.num_kv_heads, self.replicas  # each kv head goes to `rep` consecutive ranks
+        rows = send.view(hk, rep, *send.shape[1:])
+        for (start, _, d), t5 in zip(self.send_parts[1:], (k5, v5)):
+            dst = rows[..., start:start + d]
+            dst.copy_(t5.flatten(2, 3).permute(2, 0, 1, 3)[:, None].expand_as(dst))
+        return send
 
-def _unpack_qkv_grad(recv: torch.Tensor, plan: HeadPlan, A, B, dq, dv, kshape, vshape):
-    """Inverse of :func:`_pack_qkv` for gradients: copies of a kv head are summed."""
-    P = plan.degree
-    if plan.regular:
-        qn, kn = plan.q_count(0), plan.kv_count(0)
-        (pq, pk, pv), W = _widths(qn, kn, dq, dv)
-        buf = recv.view(P, A, B, W)
-        out = [_fresh(_part(buf, *pq).permute(1, 2, 0, 3, 4), (A, B, P * qn, dq))]
-        for start, _, d in (pk, pv):
-            if plan.kv_replicas == 1:
-                out.append(_fresh(_part(buf, start, kn, d).permute(1, 2, 0, 3, 4), (A, B, P * kn, d)))
+    def pack_uneven(self, q, k, v, send: torch.Tensor) -> torch.Tensor:
+        for (bq, bk, bv), (qlo, qhi), (klo, khi) in self._dest(send):
+            bq.copy_(q[:, :, qlo:qhi])
+            bk.copy_(k[:, :, klo:khi])
+            bv.copy_(v[:, :, klo:khi])
+        return send
+
+    def _dest(self, buf: torch.Tensor):
+        """Per destination: its q, k, v parts ``[A, B, n, d]`` of a flat buffer, its q and kv ranges."""
+        dq, dv, A, B = self.dq, self.dv, self.A, self.B
+        for off, Wj, (qlo, qhi), (klo, khi) in self.blocks:
+            blk = buf[off:off + A * B * Wj].view(A, B, Wj)
+            parts = _widths(qhi - qlo, khi - klo, dq, dv)[0]
+            yield [_part(blk, *p) for p in parts], (qlo, qhi), (klo, khi)
+
+    def start(self, send: torch.Tensor, group, async_op=False):
+        """(receive buffer, work handle or None, send buffer: keep it until the work is done)."""
+        recv = POOL.take(self.recv_shape, send.dtype, send.device)
+        return recv, all_to_all(recv, send, group, self.recv_splits, self.send_splits, async_op), send
+
+    def received(self, recv: torch.Tensor):
+        """The received buffer as this rank's q, k, v over the full sequence (sbhd: views)."""
+        full = recv.view(self.full_shape) if self.sd == 0 else _recv_as_layout(recv, self.layout)
+        if full.is_contiguous() and full.storage_offset() == 0:
+            return tuple(full.as_strided(*view) for view in self.mine_views)
+        return tuple(_part(full, *p) for p in self.mine)
+
+    # -- backward: the three gradients back to the token shards
+    def _by_block(self, g: torch.Tensor) -> torch.Tensor:
+        """A full-sequence tensor ``[S, B, n, d]`` (sbhd) as ``[P, A, B, n, d]`` by token block (a view)."""
+        if self.sd == 0:
+            return g.view(self.P, self.A, self.B, *g.shape[2:])
+        return g.view(self.A, self.P, self.B, *g.shape[2:]).transpose(0, 1)
+
+    def start_grad(self, gq, gk, gv, group, async_op=False):
+        """Gradients of :meth:`received`'s parts -> their senders (one all-to-all)."""
+        ref = gq if gq is not None else (gk if gk is not None else gv)
+        buf = POOL.take(self.recv_shape, ref.dtype, ref.device)
+        for g, p, view in zip((gq, gk, gv), self.mine, self.mine_views):
+            # sbhd: the buffer is the full sequence, each part a precomputed view; bshd: by token block
+            dst = buf.as_strided(*view) if self.sd == 0 else _part(buf, *p)
+            if g is None:
+                dst.zero_()
             else:
-                summed = buf[..., start:start + d].reshape(plan.num_kv_heads, plan.kv_replicas, A, B, d).sum(1)
-                out.append(summed.permute(1, 2, 0, 3).contiguous())
-        return tuple(out)
-    gq = recv.new_empty(A, B, plan.num_q_heads, dq)
-    gk, gv = recv.new_zeros(kshape), recv.new_zeros(vshape)
-    for (bq, bk, bv), (qlo, qhi), (klo, khi) in _dest_blocks(recv, plan, A, B, dq, dv):
-        gq[:, :, qlo:qhi] = bq
-        gk[:, :, klo:khi] += bk
-        gv[:, :, klo:khi] += bv
-    return gq, gk, gv
+                dst.copy_(g if self.sd == 0 else self._by_block(g))
+        recv = POOL.take(self.send_shape, ref.dtype, ref.device)
+        return recv, all_to_all(recv, buf, group, self.send_splits, self.recv_splits, async_op), buf
+
+    def unpack_grad(self, recv: torch.Tensor, gq5, gk5, gv5) -> None:
+        """Regular plans: the received gradient buffer into ``[A, B, P, n, d]`` views (a replicated kv
+        head: ``[A, B, hk, 1, d]``); copies of a replicated kv head are summed."""
+        views = self.dest_views
+        gq5.copy_(recv.as_strided(*views[0]))
+        if self.replicas == 1:
+            gk5.copy_(recv.as_strided(*views[1]))
+            gv5.copy_(recv.as_strided(*views[2]))
+            return
+        plan = self.plan
+        for (start, _, d), g5 in zip(self.send_parts[1:], (gk5, gv5)):
+            summed = recv[..., start:start + d].unflatten(0, (plan.num_kv_heads, self.replicas)).sum(1)
+            g5.copy_(summed.permute(1, 2, 0, 3).unsqueeze(3))
+
+    def unpack_grad_all(self, recv: torch.Tensor, kshape, vshape):
+        """The received gradient buffer -> gradients of the token shards q, k, v."""
+        if not self.plan.regular:
+            return self.unpack_grad_uneven(recv, kshape, vshape)
+        gq = POOL.take((self.A, self.B, self.plan.num_q_heads, self.dq), recv.dtype, recv.device)
+        gk, gv = recv.new_empty(kshape), recv.new_empty(vshape)
+        if self.replicas > 1:
+            self.unpack_grad(recv, gq.view(self.dest_shapes[0]), gk.unsqueeze(3), gv.unsqueeze(3))
+        else:
+            self.unpack_grad(recv, *(t.view(shape) for t, shape in zip((gq, gk, gv), self.dest_shapes)))
+        return gq, gk, gv
+
+    def unpack_grad_uneven(self, recv: torch.Tensor, kshape, vshape):
+        gq = recv.new_empty(self.A, self.B, self.plan.num_q_heads, self.dq)
+        gk, gv = recv.new_zeros(kshape), recv.new_zeros(vshape)
+        for (bq, bk, bv), (qlo, qhi), (klo, khi) in self._dest(recv):
+            gq[:, :, qlo:qhi] = bq
+            gk[:, :, klo:khi] += bk
+            gv[:, :, klo:khi] += bv
+        return gq, gk, gv
+
+
+class OutRoute:
+    """The output exchange of one call shape: this rank's heads ``n_me`` over the full sequence
+    -> the token shard with every head.  Uniform plans: one ``[P, A, B, n, d]`` buffer each way."""
+
+    def __init__(self, plan: HeadPlan, rank: int, A: int, B: int, d: int, layout: str):
+        P = plan.degree
+        self.plan, self.layout, self.sd, self.P, self.A, self.B, self.d = plan, layout, seq_dim(layout), P, A, B, d
+        self.n_me = plan.q_count(rank)
+        self.buf_shape = (P, A, B, self.n_me, d)
+        self.result5 = (A, B, P, self.n_me, d)
+        self.result = (A, B, P * self.n_me, d)
+        self.full = ((P * A, B) if self.sd == 0 else (A, P * B)) + (self.n_me, d)
+        if plan.uniform:
+            self.sizes = self.mine = None
+            return
+        self.sizes = [A * B * plan.q_count(j) * d for j in range(P)]
+        self.mine = [A * B * self.n_me * d] * P
+        self.offsets = [sum(self.sizes[:j]) for j in range(P)]
+        self.ranges = [plan.q_range(j) for j in range(P)]
+
+    def _by_block(self, out: torch.Tensor) -> torch.Tensor:
+        if self.sd == 0:
+            return out.view(self.buf_shape)
+        return out.view(self.A, self.P, self.B, self.n_me, self.d).transpose(0, 1)
+
+    def start(self, out: torch.Tensor, group, async_op=False):
+        """``out [S, B, n_me, d]`` in ``layout`` -> (receive buffer, work handle or None, send buffer)."""
+        send = self._by_block(out)
+        if not send.is_contiguous():
+            send = POOL.take(self.buf_shape, out.dtype, out.device).copy_(send)
+        recv = POOL.take(self.buf_shape if self.sizes is None else (sum(self.sizes),), out.dtype, out.device)
+        return recv, all_to_all(recv, send, group, self.sizes, self.mine, async_op), send
+
+    def finish(self, recv: torch.Tensor, result5=None) -> torch.Tensor:
+        """The received blocks as the token shard ``[A, B, h, d]``, or copied into a chunk's
+        ``result5 [A, B, P, n, d]`` view (returned as given)."""
+        if self.sizes is None:
+            if result5 is not None:
+                return result5.copy_(recv.permute(1, 2, 0, 3, 4))
+            result5 = POOL.take(self.result5, recv.dtype, recv.device)
+            return result5.copy_(recv.permute(1, 2, 0, 3, 4)).view(self.result)
+        A, B, d = self.A, self.B, self.d
+        result = recv.new_empty(A, B, self.plan.num_q_heads, d)
+        for (lo, hi), off, n in zip(self.ranges, self.offsets, self.sizes):
+            result[:, :, lo:hi] = recv[off:off + n].view(A, B, hi - lo, d)
+        return result
+
+    def start_grad(self, g: torch.Tensor, group, async_op=False, g5=None):
+        """Gradient of the token shard ``[A, B, h, d]`` (or a chunk's ``[A, B, P, n, d]`` view) -> back."""
+        if self.sizes is None:
+            g5 = g.view(self.result5) if g5 is None else g5
+            send = POOL.take(self.buf_shape, g5.dtype, g5.device).copy_(g5.permute(2, 0, 1, 3, 4))
+        else:
+            send = torch.cat([g[:, :, lo:hi].reshape(-1) for lo, hi in self.ranges])
+        recv = POOL.take(self.buf_shape, send.dtype, send.device)
+        return recv, all_to_all(recv, send, group, self.mine, self.sizes, async_op), send
+
+    def finish_grad(self, recv: torch.Tensor) -> torch.Tensor:
+        if self.sd == 0:
+            return recv.view(self.full)
+        return _recv_as_layout(recv, self.layout)
+
+
+def qkv_route(q, v, plan: HeadPlan, rank: int, layout: str) -> QkvRoute:
+    return QkvRoute(plan, rank, q.shape[0], q.shape[1], q.shape[3], v.shape[3], layout)
+
+
+def out_route(out_shard_shape, d: int, plan: HeadPlan, rank: int, layout: str) -> OutRoute:
+    """The output route for token shards of ``out_shard_shape`` (``[A, B, ...]``) and head dim ``d``."""
+    return OutRoute(plan, rank, out_shard_shape[0], out_shard_shape[1], d, layout)
 
 
 # ----------------------------------------------------------------------------- autograd pair
@@ -320,112 +460,73 @@ class SeqToHead(torch.autograd.Function):
     """q, k, v token shards -> full-sequence q, k, v of this rank's heads, in one collective."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, plan: HeadPlan, layout: str, rank: int):
-        P = plan.degree
-        A, B, _, dq = q.shape
-        dv = v.shape[3]
-        ctx.group, ctx.plan, ctx.layout, ctx.rank = group, plan, layout, rank
-        ctx.kshape, ctx.vshape, ctx.dims = k.shape, v.shape, (dq, dv)
-        # 1. one copy: q, k, v -> one send buffer, block j holding rank j's heads
-        send, sizes = _pack_qkv(q, k, v, plan)
-        parts, W = _widths(plan.q_count(rank), plan.kv_count(rank), dq, dv)
-        recv = POOL.take((P, A, B, W), q.dtype, q.device)
-        # 2. one collective
-        all_to_all(recv, send, group, None if sizes is None else [A * B * W] * P, sizes)
-        ctx.sizes = sizes
-        # 3. the received buffer is the full sequence (sbhd: a view; bshd: one copy if b > 1)
-        full = _recv_as_layout(recv, layout)
-        return tuple(_part(full, *p) for p in parts)
+    def forward(ctx, q, k, v, group, route: QkvRoute):
+        ctx.group, ctx.route, ctx.kv_shapes = group, route, (k.shape, v.shape)
+        send = route.pack_all(q, k, v)  # 1. one copy: block j of the send buffer holds rank j's heads
+        recv = route.start(send, group)[0]  # 2. one collective
+        return route.received(recv)  # 3. the received buffer is the full sequence (sbhd: views)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, gq, gk, gv):
-        plan, layout, rank, P = ctx.plan, ctx.layout, ctx.rank, ctx.plan.degree
-        dq, dv = ctx.dims
-        ref = next(g for g in (gq, gk, gv) if g is not None)
-        parts, W = _widths(plan.q_count(rank), plan.kv_count(rank), dq, dv)
-        sd = seq_dim(layout)
-        A, B = ref.shape[0], ref.shape[1]
-        if sd == 0:
-            A //= P
-        else:
-            B //= P
-        buf = POOL.take((P, A, B, W), ref.dtype, ref.device)
-        # 1. one copy: the three gradients into the layout the forward received
-        for g, p in zip((gq, gk, gv), parts):
-            if g is None:
-                _part(buf, *p).zero_()
-            else:
-                _part(buf, *p).copy_(_chunks_of_full(g, layout, P))
-        # 2. one collective (the inverse permutation of the forward's)
-        sizes = ctx.sizes
-        recv = POOL.take((sum(sizes),) if sizes else (P, A, B, W), ref.dtype, ref.device)
-        all_to_all(recv, buf, ctx.group, sizes, None if sizes is None else [A * B * W] * P)
-        # 3. one copy back to [A, B, h, d]; copies of a kv head summed
-        gq, gk, gv = _unpack_qkv_grad(recv, plan, A, B, dq, dv, ctx.kshape, ctx.vshape)
-        return gq, gk, gv, None, None, None, None
+        # 1. one copy of the three gradients; 2. one collective (the forward's inverse);
+        # 3. one copy back to [A, B, h, d], copies of a replicated kv head summed
+        recv = ctx.route.start_grad(gq, gk, gv, ctx.group)[0]
+        return (*ctx.route.unpack_grad_all(recv, *ctx.kv_shapes), None, None)
 
 
 class HeadToSeq(torch.autograd.Function):
     """Full-sequence output of this rank's heads -> token shard with every head, one collective."""
 
     @staticmethod
-    def forward(ctx, out, group, plan: HeadPlan, layout: str, rank: int):
-        P = plan.degree
-        ctx.group, ctx.plan, ctx.layout, ctx.rank = group, plan, layout, rank
-        send = _layout_as_chunks(out, layout, P)  # [P, A, B, n_me, d]: zero copies for contiguous sbhd
-        _, A, B, n_me, d = send.shape
-        if plan.uniform:
-            recv = POOL.take(tuple(send.shape), send.dtype, send.device)
-            all_to_all(recv, send, group)
-            return _fresh(recv.permute(1, 2, 0, 3, 4), (A, B, P * n_me, d))
-        sizes = _splits(plan, plan.q_count, A, B, d)
-        recv = POOL.take((sum(sizes),), send.dtype, send.device)
-        all_to_all(recv, send, group, sizes, [A * B * n_me * d] * P)
-        result = send.new_empty(A, B, plan.num_q_heads, d)
-        off = 0
-        for j in range(P):
-            lo, hi = plan.q_range(j)
-            result[:, :, lo:hi] = recv[off:off + sizes[j]].view(A, B, hi - lo, d)
-            off += sizes[j]
-        return result
+    def forward(ctx, out, group, route: OutRoute):
+        ctx.group, ctx.route = group, route
+        recv = route.start(out, group)[0]
+        return route.finish(recv)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g):
-        plan, P, rank = ctx.plan, ctx.plan.degree, ctx.rank
-        A, B, _, d = g.shape
-        n_me = plan.q_count(rank)
-        if plan.uniform:
-            send = _fresh(g.unflatten(2, (P, n_me)).permute(2, 0, 1, 3, 4), (P, A, B, n_me, d))
-            recv = POOL.take(tuple(send.shape), g.dtype, g.device)
-            all_to_all(recv, send, ctx.group)
-        else:
-            sizes = _splits(plan, plan.q_count, A, B, d)
-            send = torch.cat([g[:, :, slice(*plan.q_range(j))].reshape(-1) for j in range(P)])
-            recv = POOL.take((P, A, B, n_me, d), g.dtype, g.device)
-            all_to_all(recv, send, ctx.group, [A * B * n_me * d] * P, sizes)
-        return _recv_as_layout(recv, ctx.layout), None, None, None, None
+        recv = ctx.route.start_grad(g, ctx.group)[0]
+        return ctx.route.finish_grad(recv), None, None
 
 
-def seq_to_head(q, k, v, group, plan: HeadPlan, layout: str = "sbhd", rank: Optional[int] = None):
-    """Differentiable: token-sharded q, k, v -> this rank's heads over the full sequence."""
+def seq_to_head(q, k, v, group, plan: HeadPlan, layout: str = "sbhd", rank: Optional[int] = None,
+                route: Optional[QkvRoute] = None):
+    """Differentiable: token-sharded q, k, v -> this rank's heads over the full sequence.
+    ``route``: a :class:`QkvRoute` worked out before (the prepared call's), else made here."""
     if plan.degree == 1:
         return q, k, v
-    return SeqToHead.apply(q, k, v, group, plan, layout, dist.get_rank(group) if rank is None else rank)
+    if route is None:
+        route = qkv_route(q, v, plan, dist.get_rank(group) if rank is None else rank, layout)
+    return SeqToHead.apply(q, k, v, group, route)
 
 
-def head_to_seq(out, group, plan: HeadPlan, layout: str = "sbhd", rank: Optional[int] = None):
+def head_to_seq(out, group, plan: HeadPlan, layout: str = "sbhd", rank: Optional[int] = None,
+                route: Optional[OutRoute] = None):
     """Differentiable: this rank's heads over the full sequence -> token shard, all heads."""
     if plan.degree == 1:
         return out
-    return HeadToSeq.apply(out, group, plan, layout, dist.get_rank(group) if rank is None else rank)
+    if route is None:
+        sd = seq_dim(layout)
+        shard = list(out.shape[:2])
+        shard[sd] //= plan.degree
+        route = out_route(shard, out.shape[3], plan, dist.get_rank(group) if rank is None else rank, layout)
+    return HeadToSeq.apply(out, group, route)
 
 
-def expand_kv(t: torch.Tensor, plan: HeadPlan, rank: int) -> torch.Tensor:
-    """One kv head per local query head, when the local heads are not an ordinary GQA layout."""
+def kv_index(plan: HeadPlan, rank: int, device) -> Optional[torch.Tensor]:
+    """Local kv head of each local query head when the local heads are not an ordinary GQA
+    layout (made once per prepared call), else ``None``."""
     idx = plan.kv_index_for_q(rank)
-    return t if idx is None else t.index_select(2, torch.tensor(idx, device=t.device))
+    return None if idx is None else torch.tensor(idx, device=device)
+
+
+def expand_kv(t: torch.Tensor, plan: HeadPlan, rank: int, index: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One kv head per local query head, when the local heads are not an ordinary GQA layout."""
+    if index is None:
+        index = kv_index(plan, rank, t.device)
+    return t if index is None else t.index_select(2, index)
 
 
 class _PackLse(torch.autograd.Function):
@@ -467,15 +568,3 @@ def pack_lse(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
 def unpack_lse(packed: torch.Tensor, dv: int, lse_dtype: torch.dtype):
     """Inverse of :func:`pack_lse`: ``(out [..., dv], lse [...])``, both differentiable."""
     return _UnpackLse.apply(packed, dv, lse_dtype)
-
-
-# ----------------------------------------------------------------------------- references
-def reference_seq_to_head(full: torch.Tensor, rank: int, plan: HeadPlan, kind: str, layout: str = "sbhd"):
-    """Heads of ``rank`` from the full-sequence tensor (``kind`` 'q' or 'kv'): what the exchange delivers."""
-    lo, hi = plan.q_range(rank) if kind == "q" else plan.kv_range(rank)
-    return full[:, :, lo:hi]
-
-
-def shard_tokens(full: torch.Tensor, rank: int, degree: int, layout: str = "sbhd") -> torch.Tensor:
-    """Contiguous token shard ``rank`` of ``degree`` of a full-sequence tensor."""
-    return full.chunk(degree, dim=seq_dim(layout))[rank]

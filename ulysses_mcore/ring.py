@@ -49,8 +49,9 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .backends import LSE_TILE, has_window
-from .exchange import all_to_all
+from .exchange import all_to_all, seq_dim
+from .options import LSE_TILE, has_window
+from .orders import document_ids
 
 Segments = List[Tuple[int, int]]  # (first global position, length)
 
@@ -62,12 +63,6 @@ def ring_segments(rank: int, size: int, seq_len: int, token_order: str) -> Segme
         return [(rank * n, n), ((2 * size - 1 - rank) * n, n)]
     n = seq_len // size
     return [(rank * n, n)]
-
-
-def document_ids(cu_seqlens: torch.Tensor, total: int, device=None) -> torch.Tensor:
-    """Document index of each position of a packed stream of ``total`` tokens."""
-    cu = cu_seqlens.to(device=device, dtype=torch.int64)
-    return torch.bucketize(torch.arange(total, device=device), cu[1:], right=True)
 
 
 def _shift(buf: torch.Tensor, group, async_op: bool = True):
@@ -384,11 +379,11 @@ def ring_attention(
     ``return_lse``: also the log-sum-exp, ``[Sq, b, hq]`` (``sbhd``) / ``[b, Sq, hq]`` (``bshd``),
     in float32 (float64 for float64 inputs).  ``tile``: see :class:`LseAttention`; default
     whole ring segments, or ``LSE_TILE`` tokens with a window."""
-    seq_dim = 0 if layout == "sbhd" else 1
+    sd = seq_dim(layout)
     C, _ = _ring_size(group)
     if C == 1:
         token_order = "contiguous"
-    S = q.shape[seq_dim] * C
+    S = q.shape[sd] * C
     hq, hk, d = q.shape[2], k.shape[2], q.shape[3]
     scale = softmax_scale if softmax_scale is not None else d ** -0.5
     to5 = (lambda t, h, g: t.permute(1, 2, 0, 3).unflatten(1, (h, g))) if layout == "sbhd" else \

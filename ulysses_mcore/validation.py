@@ -6,13 +6,13 @@ into a typed :class:`CallRecord`; the group exchanges the records (one small
 ``all_gather_object``); every rank runs the same pure function (:func:`verdict`) over all of
 them and raises the same ``ValueError``, or none does.
 
-That exchange costs a collective and host work, so it runs once per *signature*
-(:func:`signature`: shapes, dtypes, devices, flags, scale -- all known on the host without a
-device sync) and the verdict is cached (:class:`Validator`).  In steady state a call does no
-validation collective and no device-to-host copy.  Packed-sequence boundaries (``cu_seqlens``)
-are compared in full, value by value, on the first call of a signature; later batches with
-the same signature are trusted, as Transformer Engine trusts them.  All ranks of a group must
-change signature together (they run the same model on the same kind of batch).
+That exchange costs a collective and host work, so :func:`check_call` runs once per call
+*signature* (shapes, dtypes, devices, the options record, groups -- all known on the host
+without a device sync): :class:`ulysses_mcore.call.CallCache` prepares a validated signature
+once and later calls with it validate nothing.  Packed-sequence boundaries (``cu_seqlens``) are
+compared in full, value by value, on the first call of a signature; later batches with the same
+signature are trusted, as Transformer Engine trusts them.  All ranks of a group must change
+signature together (they run the same model on the same kind of batch).
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .backends import BUILTIN_BACKENDS, backend_error, callable_accepts, callable_option_error, has_window, options_set
-from .exchange import LAYOUTS, head_layout_error, is_even, overlap_error
-
-TOKEN_ORDERS = ("contiguous", "load_balanced", "per_document")
+from .backends import BUILTIN_BACKENDS, backend_error, callable_accepts, callable_option_error
+from .exchange import LAYOUTS, head_layout_error, is_even, overlap_error, seq_dim
+from .options import AttentionOptions, has_window, options_set
+from .orders import TOKEN_ORDERS
 
 
 @dataclass(frozen=True)
@@ -73,38 +73,6 @@ class CallRecord:
     return_lse: Any = False
 
 
-# ----------------------------------------------------------------------------- signature
-def _sig(t, values: bool = False):
-    if t is None:
-        return None
-    if not isinstance(t, torch.Tensor):
-        return ("not a tensor", type(t).__name__)
-    sig = (tuple(t.shape), t.dtype, t.device, t.requires_grad)
-    if values and t.device.type == "cpu" and t.dim() == 1 and not t.is_floating_point():
-        sig += (tuple(t.tolist()),)  # host values: reading them costs no device sync
-    return sig
-
-
-_TENSOR_OPTS = ("attention_mask", "attention_bias", "cu_seqlens", "seqlens", "cu_seqlens_kv")
-
-
-def signature(query, key, value, opts: Dict[str, Any]) -> tuple:
-    """What decides the verdict, read without a device sync: shapes, dtypes, devices, flags, and
-    packed-sequence boundaries when they are on the host (on a GPU they are keyed by shape only)."""
-    return (_sig(query), _sig(key), _sig(value)) + tuple(
-        (k, _sig(v, values=k in ("cu_seqlens", "seqlens", "cu_seqlens_kv"))
-         if isinstance(v, torch.Tensor) or k in _TENSOR_OPTS else _hashable(v))
-        for k, v in sorted(opts.items()))
-
-
-def _hashable(v):
-    try:
-        hash(v)
-        return (type(v).__name__, v)
-    except TypeError:
-        return (type(v).__name__, id(v))
-
-
 # ----------------------------------------------------------------------------- one rank
 def _backend_name(backend) -> str:
     return backend if isinstance(backend, str) else "callable"
@@ -147,7 +115,7 @@ def _local_problem(q, k, v, o: Dict[str, Any], degree: int, ring: int) -> str:
     if len({q.device.type, k.device.type, v.device.type}) > 1:
         return (f"query, key and value must be on one device; they are on {q.device.type}, {k.device.type}, "
                 f"{v.device.type}: move them to one device")
-    sdim = 0 if layout in ("sbhd", "thd") else 1
+    sdim = seq_dim(layout)
     hdim = q.dim() - 2
     checks = [(sdim, "sequence size")] + ([] if thd else [(1 - sdim, "batch size")])
     for dim, what in checks:
@@ -353,7 +321,7 @@ def describe(query, key, value, *, degree: int = 1, ring: int = 1, **opts) -> Ca
 
 
 def _full_sequence_problem(r: CallRecord) -> str:
-    sdim = 1 if r.layout == "bshd" else 0
+    sdim = seq_dim(r.layout)
     seq = r.query.shape[sdim] * r.degree * r.ring
     b = 1 if r.layout == "thd" else r.query.shape[1 - sdim]
     heads = r.query.shape[-2]
@@ -372,7 +340,7 @@ def _full_sequence_problem(r: CallRecord) -> str:
 
 # ----------------------------------------------------------------------------- all ranks
 def _tokens(r: CallRecord) -> int:
-    return r.query.shape[1 if r.layout == "bshd" else 0]
+    return r.query.shape[seq_dim(r.layout)]
 
 
 _AGREE = [  # (what the message calls it, the value compared)
@@ -426,32 +394,21 @@ def exchange(rec: CallRecord, group) -> List[CallRecord]:
     return out
 
 
-class Validator:
-    """Valid call signatures, remembered (per module, or per process for the functional API).
-
-    Only "valid" is cached: a problem raises on every rank and is looked at afresh next time.
-    An entry holds its groups, so a group's id cannot be reused by another while it is cached."""
-
-    def __init__(self, max_entries: int = 256):
-        self.cache: Dict[tuple, tuple] = {}
-        self.max_entries = max_entries
-
-    def check(self, query, key, value, *, group, ring_group, degree: int, ring: int, **opts) -> None:
-        sig = (id(group), id(ring_group), degree, ring, signature(query, key, value, opts))
-        if sig in self.cache:
-            return
-        rec = describe(query, key, value, degree=degree, ring=ring, **opts)
-        records = [rec]
-        if degree > 1:
-            records = exchange(rec, group)
-        if ring > 1:  # every rank of the sample group sees every record: one verdict everywhere
-            records = [r for block in exchange(records, ring_group) for r in block]
-        problem = verdict(records, degree)
-        if problem:
-            raise ValueError(f"ulysses_attention: {problem}")
-        if len(self.cache) >= self.max_entries:
-            self.cache.clear()
-        self.cache[sig] = (group, ring_group)
+def check_call(query, key, value, opts: AttentionOptions, tensors: Dict[str, Any], extra: Dict[str, Any],
+               group, ring_group, degree: int, ring: int) -> None:
+    """Raise the same ``ValueError`` on every rank of the Ulysses (x ring) group, or none: this
+    rank's record, every rank's records (one ``all_gather_object``, two with a ring), one verdict.
+    ``extra``: the caller's own checks (``expected_heads``, ``qkv_format``, ``cu_seqlens_kv``)."""
+    fields = {name: getattr(opts, name) for name in AttentionOptions.__dataclass_fields__}
+    rec = describe(query, key, value, degree=degree, ring=ring, **fields, **tensors, **extra)
+    records = [rec]
+    if degree > 1:
+        records = exchange(rec, group)
+    if ring > 1:  # every rank of the sample group sees every record: one verdict everywhere
+        records = [r for block in exchange(records, ring_group) for r in block]
+    problem = verdict(records, degree)
+    if problem:
+        raise ValueError(f"ulysses_attention: {problem}")
 
 
-__all__ = ["CallRecord", "TensorSig", "Validator", "describe", "verdict", "signature", "TOKEN_ORDERS"]
+__all__ = ["CallRecord", "TensorSig", "check_call", "describe", "verdict", "TOKEN_ORDERS"]

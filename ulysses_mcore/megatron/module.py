@@ -5,8 +5,8 @@ Builder keywords and forward signature are Megatron's, so it goes into a layer s
 groups come from Megatron's ``pg_collection`` when Megatron passes one (its context-parallel
 group, or the two levels of its hierarchical one), else from the one registry
 (:mod:`ulysses_mcore.state`) that :func:`ulysses_mcore.initialize` and the Megatron-LM patches
-fill.  Validation runs once per input signature (a :class:`~ulysses_mcore.validation.Validator`
-per module); in steady state a forward is two all-to-alls and nothing else.
+fill.  Validation runs once per input signature (each instance has a :class:`~ulysses_mcore.call.CallCache`
+that prepares each signature once); in steady state a forward is two all-to-alls and nothing else.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import is_layer_window_attention
 
 from .. import state
-from ..attention import ulysses_attention
+from ..call import NO_TENSORS, CallCache, CallTensors
 from ..backends import Kernel
 from ..exchange import head_layout_error
-from ..validation import Validator
+from ..options import attention_options
 
 
 def _size(group) -> int:
@@ -130,7 +130,7 @@ class UlyssesAttention(MegatronModule):
         self.tp_group = tp_group
         self.group, self.ring_group = resolve_groups(config, pg_collection, ulysses_group, ring_group)
         self.degree, self.ring = _size(self.group), _size(self.ring_group)
-        self.validator = Validator()
+        self.calls = CallCache()  # this module's prepared (validated) call signatures
         if (cp_size > 1 or self.ring > 1) and cp_size != self.degree * self.ring:
             raise ValueError(
                 f"config.context_parallel_size={cp_size} but the Ulysses group has {self.degree} ranks and the "
@@ -149,6 +149,7 @@ class UlyssesAttention(MegatronModule):
         # MLA passes k_channels (query/key head dim, for the default scale) and v_channels (value head
         # dim: the output's, read from the value itself), as to TE's module
         self.head_dim = k_channels or config.kv_channels
+        self.extra_checks = (("expected_heads", (self.num_q_heads, self.num_kv_heads)),)
         err = head_layout_error(self.num_q_heads, self.num_kv_heads, self.degree)
         if err:
             raise ValueError(
@@ -196,16 +197,16 @@ class UlyssesAttention(MegatronModule):
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
         mask = None if mask_type in (AttnMaskType.causal, AttnMaskType.no_mask) or cu is not None else attention_mask
-        call = dict(group=self.group, ring_group=self.ring_group, layout="thd" if cu is not None else "sbhd",
-                    backend=self.backend, causal=causal, softmax_scale=self.softmax_scale, attention_mask=mask,
-                    attention_bias=attention_bias, dropout_p=self.dropout_p if self.training else 0.0,
-                    token_order=order, cu_seqlens=cu, seqlens=lens, window_size=self.window_size,
-                    softmax_offset=self.softmax_offset)
-        if self.check:  # once per input signature (the module's own checks included); cached after that
-            self.validator.check(query, key, value, degree=self.degree, ring=self.ring, overlap_chunks=1,
-                                 cu_seqlens_kv=cu_kv, expected_heads=(self.num_q_heads, self.num_kv_heads),
-                                 qkv_format=getattr(packed_seq_params, "qkv_format", None), **call)
-        out = ulysses_attention(query, key, value, check=False, first_head=self.tp_rank * self.num_q_heads, **call)
+        opts = attention_options(causal, "thd" if cu is not None else "sbhd", self.backend, self.softmax_scale,
+                                 self.dropout_p if self.training else 0.0, order, 1, self.window_size)
+        tensors = NO_TENSORS
+        if mask is not None or attention_bias is not None or cu is not None or self.softmax_offset is not None:
+            tensors = CallTensors(mask, attention_bias, cu, lens, self.softmax_offset)
+        extra = self.extra_checks
+        if packed_seq_params is not None:  # the module's own checks of Megatron's packed-sequence record
+            extra += (("cu_seqlens_kv", cu_kv), ("qkv_format", getattr(packed_seq_params, "qkv_format", None)))
+        out = self.calls.run(query, key, value, opts, self.group, self.ring_group, tensors,
+                             self.tp_rank * self.num_q_heads, self.check, extra)
         if cu is not None:
             return out.reshape(out.shape[0], -1)  # [t, h*d]; Megatron adds the batch dim back
         return out.reshape(out.shape[0], out.shape[1], -1)

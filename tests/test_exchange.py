@@ -1,11 +1,12 @@
-"""The two layout transforms on random shapes (hypothesis), against single-rank references."""
+"""The exchange (ulysses_mcore.exchange): the two layout transforms on random shapes (hypothesis),
+against single-rank references (tests/helpers.py), and the head plan."""
 
 import torch
 import torch.distributed as dist
 from hypothesis import given, settings, strategies as st
 
 from ulysses_mcore import exchange as comm
-from tests.helpers import run_threaded
+from tests.helpers import reference_seq_to_head, run_threaded, shard_tokens
 
 
 @st.composite
@@ -32,12 +33,12 @@ def test_seq_to_head_then_back_is_identity(shape):
 
     def rank_fn(rank, world):
         grp = dist.group.WORLD
-        qs, ks, vs = (comm.shard_tokens(t, rank, world, layout).clone().requires_grad_() for t in (q, k, v))
+        qs, ks, vs = (shard_tokens(t, rank, world, layout).clone().requires_grad_() for t in (q, k, v))
         qh, kh, vh = comm.seq_to_head(qs, ks, vs, grp, plan, layout)
         # the head-sharded tensors are exactly the reference's heads of this rank
-        torch.testing.assert_close(qh, comm.reference_seq_to_head(q, rank, plan, "q", layout), rtol=0, atol=0)
-        torch.testing.assert_close(kh, comm.reference_seq_to_head(k, rank, plan, "kv", layout), rtol=0, atol=0)
-        torch.testing.assert_close(vh, comm.reference_seq_to_head(v, rank, plan, "kv", layout), rtol=0, atol=0)
+        torch.testing.assert_close(qh, reference_seq_to_head(q, rank, plan, "q", layout), rtol=0, atol=0)
+        torch.testing.assert_close(kh, reference_seq_to_head(k, rank, plan, "kv", layout), rtol=0, atol=0)
+        torch.testing.assert_close(vh, reference_seq_to_head(v, rank, plan, "kv", layout), rtol=0, atol=0)
         back = comm.head_to_seq(qh, grp, plan, layout)
         torch.testing.assert_close(back, qs, rtol=0, atol=0)
         # backward: d(back)/d(qs) is the identity; k and v gradients count their replicas

@@ -1,0 +1,242 @@
+"""A validated call signature, prepared once: what a steady-state attention call runs.
+
+The first call of a signature (shapes, dtypes, devices, groups, the :class:`AttentionOptions`
+record, which extra tensors are given) is validated on every rank alike
+(:mod:`ulysses_mcore.validation`) and turned into a :class:`PreparedCall`: the head plan, the
+exchange routes (buffer shapes, split sizes), the kernel with its fixed keywords, the kv-head
+index and token-order permutations, all worked out once.  Later calls with the same signature
+pay one dict lookup on a tuple of shapes, dtypes and ids (:func:`call_key`), then run two
+collectives and the kernel: no validation, no plan, no per-rank Python loop for regular head
+plans, no device-to-host copy.
+
+:class:`CallCache` holds them: one per :class:`~ulysses_mcore.megatron.module.UlyssesAttention`
+instance, and one (bounded) for the functional API.  An entry holds its groups, so a group's id
+cannot be reused by another while it is cached.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+
+from .backends import plain_sdpa_kernel, resolve
+from .exchange import HeadPlan, HeadToSeq, OutRoute, SeqToHead, kv_index, pack_lse, qkv_route, seq_dim, unpack_lse
+from .options import AttentionOptions
+from .orders import token_orders
+from .validation import check_call
+
+
+class CallTensors(NamedTuple):
+    """The per-call tensors beside the options (data, not options)."""
+
+    attention_mask: Optional[torch.Tensor] = None
+    attention_bias: Optional[torch.Tensor] = None
+    cu_seqlens: Optional[torch.Tensor] = None
+    seqlens: Optional[torch.Tensor] = None
+    softmax_offset: Optional[torch.Tensor] = None
+
+
+NO_TENSORS = CallTensors()
+_HOST_VALUES = (2, 3)  # cu_seqlens, seqlens: their host values are part of the signature
+
+
+def _tensor_key(i: int, t):
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        return ("not a tensor", type(t).__name__)
+    key = (t.shape, t.dtype, t.device, t.requires_grad)
+    if i in _HOST_VALUES and t.device.type == "cpu" and t.dim() == 1 and not t.is_floating_point():
+        key += (tuple(t.tolist()),)  # host values: reading them costs no device sync
+    return key
+
+
+def call_key(q, k, v, opts: AttentionOptions, group, ring_group, tensors: CallTensors, head0: int, extra):
+    """The cache key of a call: one tuple of shapes, dtypes, devices, flags, groups (``None`` when
+    an input is not a tensor: such a call is validated every time, and fails)."""
+    if extra is not None:
+        extra = tuple((name, _tensor_key(2, val) if isinstance(val, torch.Tensor) else val) for name, val in extra)
+    try:
+        key = (opts, group, ring_group, head0, extra, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype,
+               q.device, k.device, v.device, q.requires_grad, k.requires_grad, v.requires_grad)
+    except AttributeError:
+        return None
+    if tensors is not NO_TENSORS:
+        key += tuple(_tensor_key(i, t) for i, t in enumerate(tensors))
+    return key
+
+
+class CallCache:
+    """Prepared calls by :func:`call_key` (cleared when ``max_entries`` is reached)."""
+
+    def __init__(self, max_entries: int = 256):
+        self.entries: dict = {}
+        self.max_entries = max_entries
+
+    def run(self, q, k, v, opts: AttentionOptions, group, ring_group, tensors: CallTensors = NO_TENSORS,
+            head0: int = 0, check: bool = True, extra=None):
+        """Attention of this call: the prepared call of its signature, made (and validated when
+        ``check``) the first time.  ``extra``: the caller's own checks (a hashable tuple of
+        ``(name, value)`` pairs, e.g. the module's expected heads), part of the signature."""
+        key = call_key(q, k, v, opts, group, ring_group, tensors, head0, extra)
+        call = self.entries.get(key) if key is not None else None
+        if call is None:
+            call = self.prepare(key, q, k, v, opts, group, ring_group, tensors, head0, check, extra)
+        return call(q, k, v, tensors)
+
+    def prepare(self, key, q, k, v, opts, group, ring_group, tensors, head0, check, extra):
+        degree = 1 if group is None else dist.get_world_size(group)
+        ring = 1 if ring_group is None else dist.get_world_size(ring_group)
+        if degree < 1 or ring < 1:  # no peer waits on a rank outside the group: raising here is safe
+            raise ValueError(f"ulysses_attention: rank {dist.get_rank()} is not a member of the "
+                             f"{'group' if degree < 1 else 'ring_group'} it was given; pass this rank's own group")
+        if check:
+            check_call(q, k, v, opts, tensors._asdict(), dict(extra or ()), group, ring_group, degree, ring)
+        call = PreparedCall(q, k, v, opts, group, ring_group, degree, ring, tensors, head0)
+        if key is not None:
+            if len(self.entries) >= self.max_entries:
+                self.entries.clear()
+            self.entries[key] = call
+        return call
+
+
+def lse_columns(dtype: torch.dtype) -> int:
+    """Columns of ``dtype`` one log-sum-exp value takes (float32, or float64 beside float64)."""
+    lse = torch.float64 if dtype == torch.float64 else torch.float32
+    return max(1, lse.itemsize // dtype.itemsize)
+
+
+class PreparedCall:
+    """Everything about one call signature that does not change from call to call."""
+
+    def __init__(self, q, k, v, opts: AttentionOptions, group, ring_group, degree, ring, tensors, head0):
+        self.group, self.ring_group, self.opts = group, ring_group, opts
+        self.thd = opts.layout == "thd"
+        self.layout = "sbhd" if self.thd else opts.layout
+        if self.thd:
+            q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
+        self.kw = dict(causal=opts.causal, softmax_scale=opts.softmax_scale, layout=self.layout)
+        if opts.dropout_p:
+            self.kw["dropout_p"] = opts.dropout_p
+        if opts.window is not None:
+            self.kw["window_size"] = opts.window
+        if opts.return_lse:
+            self.kw["return_lse"] = True
+        self.exchange = degree > 1
+        rank = dist.get_rank(group) if self.exchange else 0
+        self.plan = HeadPlan(q.shape[2], k.shape[2], degree)
+        self.lo, self.hi = self.plan.q_range(rank)
+        self.head0 = head0
+        self.kw["heads"] = (head0 + self.lo, head0 + self.hi)
+        self.kv_index = kv_index(self.plan, rank, q.device) if self.exchange else None
+        kv_local = self.hi - self.lo if self.kv_index is not None else self.plan.kv_count(rank)
+        self.kernel = self._kernel(q, v, opts, ring, ring_group, tensors, kv_local != self.hi - self.lo)
+        if self.exchange:
+            self._routes(q, v, rank, opts)
+
+    def _kernel(self, q, v, opts, ring, ring_group, tensors, gqa: bool):
+        if ring > 1:
+            return ring_kernel(opts.backend, ring_group, opts.token_order)
+        if tensors is NO_TENSORS:  # nothing per call: the plain SDPA call, its keywords bound once
+            fast = plain_sdpa_kernel(opts, q, v, gqa, self.layout)
+            if fast is not None:
+                self.kw = {}
+                return fast
+        return resolve(opts.backend)
+
+    def _routes(self, q, v, rank, opts):
+        plan, dv = self.plan, v.shape[3]
+        self.qkv = qkv_route(q, v, plan, rank, self.layout)
+        A, B = q.shape[0], q.shape[1]
+        self.dv = dv
+        self.out = OutRoute(plan, rank, A, B, dv + (lse_columns(q.dtype) if opts.return_lse else 0), self.layout)
+        sd = seq_dim(self.layout)
+        self.orders = token_orders(opts.token_order, plan.degree, q.shape[sd] * plan.degree, q.device, sd)
+        if opts.overlap_chunks > 1:
+            from .overlap import ChunkRoutes
+
+            self.chunks = ChunkRoutes(plan, rank, opts.overlap_chunks, A, B, q.shape[3], self.layout)
+
+    # ------------------------------------------------------------------------- per call
+    def __call__(self, q, k, v, tensors):
+        if self.thd:
+            q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
+        if not self.exchange:
+            out = self.kernel(q, k, v, **self._kw(tensors, 0, self.hi))
+        elif self.opts.overlap_chunks > 1:
+            out = self._overlapped(q, k, v, tensors)
+        else:
+            out = self._exchanged(q, k, v, tensors)
+        if self.thd:
+            return (out[0].squeeze(1), out[1].squeeze(1)) if self.opts.return_lse else out.squeeze(1)
+        return out
+
+    def _kw(self, tensors, lo, hi):
+        """The kernel's keywords: the fixed ones, plus this call's tensors (mask / bias / sinks cut to
+        the heads ``lo .. hi`` held here)."""
+        if tensors is NO_TENSORS:
+            return self.kw
+        kw = dict(self.kw)
+        mask, bias, cu, lens, offset = tensors
+        for name, t in (("attention_mask", mask), ("attention_bias", bias)):
+            if t is not None:
+                kw[name] = t if t.shape[1] == 1 or not self.exchange else t[:, lo:hi]
+        if cu is not None:
+            kw["cu_seqlens"] = cu
+        if lens is not None:
+            kw["seqlens"] = lens
+        if offset is not None:  # this rank's heads' sinks: autograd routes their gradient back
+            kw["softmax_offset"] = offset[lo:hi] if self.exchange else offset
+        return kw
+
+    def _exchanged(self, q, k, v, tensors):
+        qh, kh, vh = SeqToHead.apply(q, k, v, self.group, self.qkv)
+        if self.kv_index is not None:
+            kh, vh = kh.index_select(2, self.kv_index), vh.index_select(2, self.kv_index)
+        out = self._attend(qh, kh, vh, tensors, self.lo, self.hi - self.lo)
+        if self.opts.return_lse:  # the lse rides in the output's all-to-all, bit-cast into extra columns
+            out, lse = out
+            return unpack_lse(HeadToSeq.apply(pack_lse(out, lse), self.group, self.out), self.dv, lse.dtype)
+        return HeadToSeq.apply(out, self.group, self.out)
+
+    def _attend(self, q, k, v, tensors, first, count):
+        """The kernel on this rank's heads ``first .. first + count``, in natural token order."""
+        kw = self._kw(tensors, first, first + count)
+        if count != self.hi - self.lo:  # a head chunk (overlap): the global heads it holds
+            kw = dict(kw, heads=(self.head0 + first, self.head0 + first + count))
+        if self.orders is None:
+            return self.kernel(q, k, v, **kw)
+        to_natural, to_received = self.orders(tensors.cu_seqlens)
+        res = self.kernel(to_natural(q), to_natural(k), to_natural(v), **kw)
+        if self.opts.return_lse:
+            return to_received(res[0]), to_received(res[1])
+        return to_received(res)
+
+    def _overlapped(self, q, k, v, tensors):
+        from .overlap import OverlappedUlysses
+
+        qc = self.chunks.qc
+        return OverlappedUlysses.apply(q, k, v, self.group, self.chunks,
+                                       lambda lq, lk, lv, c: self._attend(lq, lk, lv, tensors, self.lo + c * qc, qc))
+
+
+def ring_kernel(backend, ring_group, token_order: str):
+    """The inner kernel when a ring follows the all-to-all: this rank's ring shard in, out."""
+    if backend == "te":
+        from .backends import te_attention
+
+        return partial(te_attention, ring_group=ring_group)
+    from .ring import ring_attention
+
+    def lse_ring(q, k, v, *, causal, softmax_scale=None, layout="sbhd", attention_mask=None,
+                 attention_bias=None, cu_seqlens=None, seqlens=None, window_size=None, softmax_offset=None,
+                 return_lse=False, heads=None):
+        return ring_attention(q, k, v, group=ring_group, causal=causal, softmax_scale=softmax_scale,
+                              layout=layout, token_order=token_order, attention_mask=attention_mask,
+                              attention_bias=attention_bias, cu_seqlens=cu_seqlens, window_size=window_size,
+                              softmax_offset=softmax_offset, return_lse=return_lse)
+
+    return lse_ring

@@ -1,0 +1,87 @@
+"""Token orders of a sharded sequence, and the permutations that undo them around the kernel.
+
+After the q/k/v all-to-all a rank holds the whole sequence as the concatenation of the ranks'
+shards (rank 0's tokens, then rank 1's, ...): the *received* order.  The kernel needs the
+*natural* order when the shards are not contiguous blocks:
+
+* ``"contiguous"``: rank ``r`` holds block ``r`` -- received is natural, nothing to do;
+* ``"load_balanced"``: Megatron's context-parallel dual-chunk shard -- the sequence is cut into
+  ``2P`` chunks and rank ``r`` holds chunks ``r`` and ``2P-1-r`` (:func:`load_balanced_permutation`);
+* ``"per_document"``: Transformer Engine's / Megatron-LM's THD layout, every document dealt out
+  in dual chunks (:func:`per_document_order`).
+
+:func:`token_orders` works out, once per prepared call, the index tensors that reorder the
+gathered sequence (one ``index_select`` each way); per-document orders depend on the batch's
+document boundaries and are computed per call, vectorised.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Tuple
+
+import torch
+
+TOKEN_ORDERS = ("contiguous", "load_balanced", "per_document")
+Reorder = Callable[[torch.Tensor], torch.Tensor]
+
+
+def load_balanced_permutation(degree: int) -> List[int]:
+    """Megatron's dual-chunk order: the sequence is cut into ``2P`` chunks and rank ``r``
+    holds chunks ``r`` and ``2P-1-r``.  Entry ``p`` is the natural chunk at position ``p``
+    of the rank-ordered (received) sequence: ``[0, 2P-1, 1, 2P-2, ...]``."""
+    return [p // 2 if p % 2 == 0 else 2 * degree - 1 - p // 2 for p in range(2 * degree)]
+
+
+def document_ids(cu_seqlens: torch.Tensor, total: int, device=None) -> torch.Tensor:
+    """Document index of each position of a packed stream of ``total`` tokens."""
+    cu = cu_seqlens.to(device=device, dtype=torch.int64)
+    return torch.bucketize(torch.arange(total, device=device), cu[1:], right=True)
+
+
+def per_document_order(cu_seqlens: torch.Tensor, degree: int) -> torch.Tensor:
+    """Transformer Engine's / Megatron's THD context-parallel layout: every document (length a
+    multiple of ``2P``) is cut into ``2P`` chunks and rank ``r`` holds chunks ``r`` and
+    ``2P-1-r`` of each, documents in order.  Returns the natural position of each token of
+    the concatenation of ranks ``0 .. P-1`` (what the all-to-all delivers).  Vectorised:
+    it runs in every layer's forward, on streams of up to millions of tokens."""
+    cu = cu_seqlens.to(torch.long)
+    total = int(cu[-1])
+    pos = torch.arange(total)
+    doc = document_ids(cu, total)
+    start = cu[doc]
+    chunk = (cu[1:] - cu[:-1])[doc] // (2 * degree)  # > 0: a token's document is not empty
+    j, off = (pos - start) // chunk, (pos - start) % chunk
+    owner = torch.minimum(j, 2 * degree - 1 - j)
+    # within its owner, a token sits after the earlier documents' 2 chunks each (start / P),
+    # in the document's first or second chunk
+    received = owner * (total // degree) + start // degree + (j >= degree) * chunk + off
+    order = torch.empty_like(pos)
+    order[received] = pos
+    return order
+
+
+def _inverse(order: torch.Tensor) -> torch.Tensor:
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), device=order.device)
+    return inv
+
+
+def _reorders(order: torch.Tensor, sd: int) -> Tuple[Reorder, Reorder]:
+    """(received -> natural, natural -> received) for ``order[i]`` = natural position of received token i."""
+    inv = _inverse(order)
+    return (lambda t: t.index_select(sd, inv)), (lambda t: t.index_select(sd, order))
+
+
+def token_orders(token_order: str, degree: int, seq_len: int, device, sd: int
+                 ) -> Optional[Callable[[Optional[torch.Tensor]], Tuple[Reorder, Reorder]]]:
+    """``None`` when the received order is natural; else ``orders(cu_seqlens)`` ->
+    ``(to_natural, to_received)`` reorderings of the sequence dim ``sd`` of the gathered tensors."""
+    if token_order == "load_balanced":
+        n = seq_len // (2 * degree)
+        chunk_of = torch.tensor(load_balanced_permutation(degree), dtype=torch.long)
+        order = (chunk_of[:, None] * n + torch.arange(n)).reshape(-1).to(device)
+        fixed = _reorders(order, sd)
+        return lambda cu: fixed
+    if token_order == "per_document":
+        return lambda cu: _reorders(per_document_order(cu, degree).to(device), sd)
+    return None
