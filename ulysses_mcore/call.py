@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .backends import plain_sdpa_kernel, resolve
-from .exchange import HeadPlan, HeadToSeq, OutRoute, SeqToHead, kv_index, pack_lse, qkv_route, seq_dim, unpack_lse
+from .exchange import HeadPlan, OutRoute, exchange_out, exchange_qkv, kv_index, pack_lse, qkv_route, seq_dim, unpack_lse
 from .options import AttentionOptions
 from .orders import token_orders
 from .validation import check_call
@@ -193,14 +193,14 @@ class PreparedCall:
         return kw
 
     def _exchanged(self, q, k, v, tensors):
-        qh, kh, vh = SeqToHead.apply(q, k, v, self.group, self.qkv)
+        qh, kh, vh = exchange_qkv(q, k, v, self.group, self.qkv)
         if self.kv_index is not None:
             kh, vh = kh.index_select(2, self.kv_index), vh.index_select(2, self.kv_index)
         out = self._attend(qh, kh, vh, tensors, self.lo, self.hi - self.lo)
         if self.opts.return_lse:  # the lse rides in the output's all-to-all, bit-cast into extra columns
             out, lse = out
-            return unpack_lse(HeadToSeq.apply(pack_lse(out, lse), self.group, self.out), self.dv, lse.dtype)
-        return HeadToSeq.apply(out, self.group, self.out)
+            return unpack_lse(exchange_out(pack_lse(out, lse), self.group, self.out), self.dv, lse.dtype)
+        return exchange_out(out, self.group, self.out)
 
     def _attend(self, q, k, v, tensors, first, count):
         """The kernel on this rank's heads ``first .. first + count``, in natural token order."""

@@ -491,6 +491,20 @@ class HeadToSeq(torch.autograd.Function):
         return ctx.route.finish_grad(recv), None, None
 
 
+def exchange_qkv(q, k, v, group, route: QkvRoute):
+    """:class:`SeqToHead` on a prepared route; without autograd's bookkeeping when nothing needs a gradient."""
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return SeqToHead.apply(q, k, v, group, route)
+    return route.received(route.start(route.pack_all(q, k, v), group)[0])
+
+
+def exchange_out(out, group, route: OutRoute):
+    """:class:`HeadToSeq` on a prepared route; without autograd's bookkeeping when nothing needs a gradient."""
+    if out.requires_grad:
+        return HeadToSeq.apply(out, group, route)
+    return route.finish(route.start(out, group)[0])
+
+
 def seq_to_head(q, k, v, group, plan: HeadPlan, layout: str = "sbhd", rank: Optional[int] = None,
                 route: Optional[QkvRoute] = None):
     """Differentiable: token-sharded q, k, v -> this rank's heads over the full sequence.
@@ -499,7 +513,7 @@ def seq_to_head(q, k, v, group, plan: HeadPlan, layout: str = "sbhd", rank: Opti
         return q, k, v
     if route is None:
         route = qkv_route(q, v, plan, dist.get_rank(group) if rank is None else rank, layout)
-    return SeqToHead.apply(q, k, v, group, route)
+    return exchange_qkv(q, k, v, group, route)
 
 
 def head_to_seq(out, group, plan: HeadPlan, layout: str = "sbhd", rank: Optional[int] = None,
@@ -512,7 +526,7 @@ def head_to_seq(out, group, plan: HeadPlan, layout: str = "sbhd", rank: Optional
         shard = list(out.shape[:2])
         shard[sd] //= plan.degree
         route = out_route(shard, out.shape[3], plan, dist.get_rank(group) if rank is None else rank, layout)
-    return HeadToSeq.apply(out, group, route)
+    return exchange_out(out, group, route)
 
 
 def kv_index(plan: HeadPlan, rank: int, device) -> Optional[torch.Tensor]:
