@@ -35,3 +35,51 @@ def test_core_runs_with_megatron_blocked():
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "adapter needs megatron: ok" in res.stdout
+
+
+def _package_imports():
+    """module -> the package modules it imports (at the top or inside functions), by ast."""
+    import ast
+
+    pkg = ROOT / "ulysses_mcore"
+    mods = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+            for p in pkg.rglob("*.py")}
+    graph = {}
+    for name, path in mods.items():
+        base = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                parts = base.split(".")
+                target = ".".join(parts[:len(parts) - node.level + 1] if node.level else []) if node.level else ""
+                target = (target + "." + node.module if target and node.module else target or node.module or "")
+                for alias in node.names:
+                    full = f"{target}.{alias.name}"
+                    deps.add(full if full in mods else target)
+            elif isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names)
+        graph[name] = {d for d in deps if d in mods and d != name and d != "ulysses_mcore"}
+    return graph
+
+
+def test_no_import_cycles():
+    """The package's modules form a DAG (imports inside functions count too): each layer imports
+    only what is below it (e.g. backends -> ring, never back; checkpoint and pretrain share errors)."""
+    graph = _package_imports()
+    assert "ulysses_mcore.ring" in graph["ulysses_mcore.backends"]  # the graph sees real edges
+    state, stack = {}, []
+
+    def visit(m):
+        state[m] = "open"
+        stack.append(m)
+        for d in sorted(graph[m]):
+            if state.get(d) == "open":
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(d):] + [d]))
+            if d not in state:
+                visit(d)
+        stack.pop()
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)

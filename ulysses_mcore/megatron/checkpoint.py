@@ -31,6 +31,8 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+from .errors import is_collective_failure
+
 MANIFEST = "ulysses_manifest.json"
 TRAIN_STATE = "train_state.pt"
 MODEL_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
@@ -180,9 +182,7 @@ def save_checkpoint(path, iteration, model, optimizer, scheduler, consumed_sampl
         raise
     except BaseException as e:  # noqa: BLE001 - gathered below: the same error on every rank (torch's
         # CheckpointException derives from BaseException)
-        from ulysses_mcore.megatron.pretrain import _is_collective_failure
-
-        if _is_collective_failure(e):
+        if is_collective_failure(e):
             raise
         err = e
     _raise_if_failed(_gather(_outcome(err, path)), path, tmp, iteration)

@@ -40,9 +40,43 @@ import importlib
 import importlib.util
 from typing import Dict, Tuple
 
-_ORIGINALS: Dict[Tuple[str, str], object] = {}
-_STATE = {"ulysses": 1, "cp": 1}
-_LOCAL_SPEC: dict = {}  # the spec megatron.training's GPT builder uses for its local attention
+
+
+class PatchState:
+    """Everything the patches hold, in one place: the originals they replaced (to put back), the
+    settings ``fold_args`` read from the flags, the shared local-attention spec of
+    megatron.training's GPT builder, and which messages were printed.  :meth:`install` /
+    :meth:`remove` are :func:`apply` / :func:`remove`."""
+
+    def __init__(self):
+        self.originals: Dict[Tuple[str, str], object] = {}
+        self.settings: dict = {}
+        self.local_spec: dict = {}  # the spec megatron.training's GPT builder uses for its local attention
+        self.said: set = set()
+        self.reset()
+
+    def reset(self):
+        self.settings.update(ulysses=1, cp=1, backend="auto", loss_chunk=None, mlp_chunk=None)
+        self.local_spec.clear()
+
+    def install(self):
+        for mod, name, wrap in _targets():
+            key = (mod.__name__, name)
+            fn = getattr(mod, name)
+            if key in self.originals or getattr(fn, "_ulysses", False):
+                continue
+            self.originals[key] = fn
+            setattr(mod, name, wrap(fn))
+
+    def remove(self):
+        for (modname, name), fn in list(self.originals.items()):
+            setattr(importlib.import_module(modname), name, fn)
+            del self.originals[(modname, name)]
+        self.reset()
+
+
+PATCHES = PatchState()
+_STATE = PATCHES.settings
 
 SPEC_FUNCTIONS = {
     "get_gpt_layer_local_spec": "sdpa",
@@ -70,9 +104,23 @@ def fold_args(args):
 
     Raises ``ValueError`` naming the flags when the degrees cannot work; runs on every rank
     before any collective."""
-    u = getattr(args, "ulysses_degree", 1) or 1
     if getattr(args, "_ulysses_folded", False):
         return args
+    u, ring = _check_flags(args)
+    args.context_parallel_size = u * ring
+    if u > 1 and ring > 1:
+        args.hierarchical_context_parallel_sizes = [u, ring]
+    args._ulysses_folded = True
+    _STATE.update(ulysses=u, cp=ring, backend=getattr(args, "ulysses_attention_backend", "auto"),
+                  loss_chunk=getattr(args, "loss_chunk_tokens", None), mlp_chunk=getattr(args, "mlp_chunk_tokens", None))
+    if u > 1:
+        _use_ulysses_in_local_spec()
+    return args
+
+
+def _check_flags(args):
+    """``(ulysses, ring)`` degrees of the flags, or the ``ValueError`` that names the flag."""
+    u = getattr(args, "ulysses_degree", 1) or 1
     if u < 1:
         raise ValueError(f"--ulysses-degree must be >= 1, got {u}")
     for flag in ("loss_chunk_tokens", "mlp_chunk_tokens"):
@@ -87,26 +135,21 @@ def fold_args(args):
         tp = getattr(args, "tensor_model_parallel_size", 1) or 1
         pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
         world = getattr(args, "world_size", None) or tp * u * ring * pp
-        Topology(world, tp=tp, ulysses=u, cp=ring, pp=pp).check_model(
-            heads, getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", True) else None,
-            getattr(args, "seq_length", None))
-    args.context_parallel_size = u * ring
-    if u > 1 and ring > 1:
-        args.hierarchical_context_parallel_sizes = [u, ring]
-    args._ulysses_folded = True
-    _STATE.update(ulysses=u, cp=ring, backend=getattr(args, "ulysses_attention_backend", "auto"),
-                  loss_chunk=getattr(args, "loss_chunk_tokens", None), mlp_chunk=getattr(args, "mlp_chunk_tokens", None))
-    if u > 1 and "spec" in _LOCAL_SPEC:
+        groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", True) else None
+        Topology(world, tp=tp, ulysses=u, cp=ring, pp=pp).check_model(heads, groups, getattr(args, "seq_length", None))
+    return u, ring
+
+
+def _use_ulysses_in_local_spec():
+    """megatron.training's GPT builder shares one local-attention spec: make it Ulysses."""
+    if "spec" in PATCHES.local_spec:
         from ulysses_mcore import UlyssesAttention
 
         _say("core attention: UlyssesAttention (inner kernel sdpa) for megatron.training's local attention backend")
-        _LOCAL_SPEC["spec"].module = UlyssesAttention
-        _LOCAL_SPEC["spec"].params = {"backend": "sdpa" if _STATE["backend"] in (None, "auto", "te")
-                                      else _STATE["backend"]}
-    return args
+        PATCHES.local_spec["spec"].module = UlyssesAttention
+        PATCHES.local_spec["spec"].params = {"backend": "sdpa" if _STATE["backend"] in (None, "auto", "te")
+                                             else _STATE["backend"]}
 
-
-_SAID: set = set()
 
 
 def _say(message: str) -> None:
@@ -183,8 +226,8 @@ def _wrap_spec(fn, default_backend):
             backend = default_backend
             if backend is None:  # decoder block: TE unless use_transformer_engine=False
                 backend = "te" if kw.get("use_transformer_engine", True) else "sdpa"
-        if fn.__name__ not in _SAID:
-            _SAID.add(fn.__name__)
+        if fn.__name__ not in PATCHES.said:
+            PATCHES.said.add(fn.__name__)
             _say(f"core attention: UlyssesAttention (inner kernel {backend}) in megatron-core's {fn.__name__}")
         return swap_core_attention(spec, backend=backend)
 
@@ -231,8 +274,8 @@ def _local_core_attention(original):
     """What megatron.training's GPT builder puts in for ``--attention-backend local``."""
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    _LOCAL_SPEC["spec"] = ModuleSpec(module=original, params={})
-    return _LOCAL_SPEC["spec"]  # a shared spec: fold_args makes it Ulysses when --ulysses-degree > 1
+    PATCHES.local_spec["spec"] = ModuleSpec(module=original, params={})
+    return PATCHES.local_spec["spec"]  # a shared spec: fold_args makes it Ulysses when --ulysses-degree > 1
 
 
 def _targets():
@@ -283,25 +326,13 @@ def _targets():
 
 def apply():
     """Install the patches (idempotent)."""
-    for mod, name, wrap in _targets():
-        key = (mod.__name__, name)
-        if key in _ORIGINALS:
-            continue
-        fn = getattr(mod, name)
-        if getattr(fn, "_ulysses", False):
-            continue
-        _ORIGINALS[key] = fn
-        setattr(mod, name, wrap(fn))
+    PATCHES.install()
 
 
 def remove():
     """Undo :func:`apply` (idempotent)."""
-    for (modname, name), fn in list(_ORIGINALS.items()):
-        setattr(importlib.import_module(modname), name, fn)
-        del _ORIGINALS[(modname, name)]
-    _STATE.update(ulysses=1, cp=1, backend="auto", loss_chunk=None, mlp_chunk=None)
-    _LOCAL_SPEC.clear()
+    PATCHES.remove()
 
 
 def is_applied() -> bool:
-    return bool(_ORIGINALS)
+    return bool(PATCHES.originals)

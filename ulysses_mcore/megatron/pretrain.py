@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .arguments import build_parser, check_output_dirs, corpus_dir, metrics_dir, padded_vocab, validate
+from .errors import is_collective_failure
 from .checkpoint import inspect_checkpoint, load_checkpoint, save_checkpoint, schedule_from_flags, trim_metrics
 
 
@@ -71,7 +72,7 @@ def main(argv=None):
     except Exception as e:  # noqa: BLE001 - reported as what it is, on this rank
         rank, it = dist.get_rank(), _PROGRESS["iteration"] + 1
         first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
-        if _is_collective_failure(e):
+        if is_collective_failure(e):
             print(f"error: rank {rank}: a collective failed at iteration {it} -- a peer rank died or stopped "
                   f"responding within --distributed-timeout-minutes {args.distributed_timeout_minutes} "
                   f"({type(e).__name__}: {first}). Check the other ranks' logs.", file=sys.stderr, flush=True)
@@ -92,20 +93,6 @@ def main(argv=None):
 _PROGRESS = {"iteration": 0}
 _START = {"time": time.time()}
 _SIGNAL = {"received": False}
-
-# what torch.distributed's backends say when a peer dies, a connection breaks or a wait times out
-_COLLECTIVE_SIGNS = ("connection closed by peer", "connection reset by peer", "broken pipe", "timed out",
-                     "timeout", "nccl error", "ncclremoteerror", "ncclsystemerror", "gloo/transport",
-                     "socket closed", "connection refused")
-
-
-def _is_collective_failure(e: BaseException) -> bool:
-    """A failed collective (peer death, broken connection, timeout), not a local error."""
-    if isinstance(e, getattr(dist, "DistError", ())):
-        return True
-    text = str(e).lower()
-    return isinstance(e, RuntimeError) and any(sign in text for sign in _COLLECTIVE_SIGNS)
-
 
 def train(args, topo, use_cuda):
     import ulysses_mcore
