@@ -49,7 +49,7 @@ def main():
     from ulysses_mcore.ring import ring_segments
 
     def shard(t):
-        return torch.cat([t[s0:s0 + n] for s0, n in ring_segments(rank, world, S, order)])
+        return torch.cat([t[s0 : s0 + n] for s0, n in ring_segments(rank, world, S, order)])
 
     g = torch.Generator().manual_seed(0)
     full = [torch.randn(S, b, h, d, generator=g) for h in (hq, hk, hk, hq)]
@@ -83,12 +83,16 @@ def main():
     sent = 2 * (qkv_bytes + out_bytes) * (U - 1) // U  # forward + backward, off-rank part
     ring_bytes = (3 * C - 2) * 2 * (S // C) * b * max(plan.kv_count(j) for j in range(U)) * d * elem if C > 1 else 0
     if rank == 0:
-        print(f"ulysses {U} x ring {C}, seq {S}, batch {b}, heads {hq} q / {hk} kv, head dim {d}, "
-              f"{'causal' if causal else 'full'}, backend {'nccl' if use_cuda else 'gloo'}")
+        print(
+            f"ulysses {U} x ring {C}, seq {S}, batch {b}, heads {hq} q / {hk} kv, head dim {d}, "
+            f"{'causal' if causal else 'full'}, backend {'nccl' if use_cuda else 'gloo'}"
+        )
         print(f"max relative error vs float64 (out, dq, dk, dv, all ranks): {worst.item():.2e}")
-        print(f"all-to-all bytes sent per rank, forward+backward: {sent / 1e6:.2f} MB "
-              f"(qkv {qkv_bytes / 1e6:.2f} MB + out {out_bytes / 1e6:.2f} MB per direction)"
-              + (f"; ring shifts {ring_bytes / 1e6:.2f} MB" if C > 1 else ""))
+        print(
+            f"all-to-all bytes sent per rank, forward+backward: {sent / 1e6:.2f} MB "
+            f"(qkv {qkv_bytes / 1e6:.2f} MB + out {out_bytes / 1e6:.2f} MB per direction)"
+            + (f"; ring shifts {ring_bytes / 1e6:.2f} MB" if C > 1 else "")
+        )
         print(f"forward+backward on rank 0: {elapsed * 1e3:.1f} ms")
     dist.destroy_process_group()
     if worst.item() > 1e-4:

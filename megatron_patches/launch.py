@@ -55,8 +55,9 @@ def add_flags_to_megatron_lm_parser():
         return
     wrapped = _wrap_parse_args(original)
     for name, mod in list(sys.modules.items()):
-        if (name.startswith("megatron.training") or name.startswith("megatron.post_training")) and \
-                getattr(mod, "parse_args", None) is original:
+        if (name.startswith("megatron.training") or name.startswith("megatron.post_training")) and getattr(
+            mod, "parse_args", None
+        ) is original:
             mod.parse_args = wrapped
 
 
@@ -68,10 +69,14 @@ def _import_megatron_lm():
         importlib.import_module("megatron.training.initialize")
     except ModuleNotFoundError as e:
         if e.name in ("megatron", "megatron.training"):
-            return ("Megatron-LM's megatron.training is not importable: put Megatron-LM's folder on PYTHONPATH "
-                    "(megatron-core >= 0.19 ships it in the wheel)")
-        return (f"Megatron-LM's megatron.training needs the module {e.name!r}, which is not installed: "
-                f"pip install 'ulysses-mcore[megatron-lm]' (six, regex, pyyaml, triton)")
+            return (
+                "Megatron-LM's megatron.training is not importable: put Megatron-LM's folder on PYTHONPATH "
+                "(megatron-core >= 0.19 ships it in the wheel)"
+            )
+        return (
+            f"Megatron-LM's megatron.training needs the module {e.name!r}, which is not installed: "
+            f"pip install 'ulysses-mcore[megatron-lm]' (six, regex, pyyaml, triton)"
+        )
     except ImportError as e:
         return f"Megatron-LM's megatron.training is not importable ({e})"
     return None

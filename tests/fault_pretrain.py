@@ -17,8 +17,11 @@ import torch.distributed as dist  # noqa: E402
 
 from ulysses_mcore.megatron import checkpoint, pretrain, training  # noqa: E402
 
-FAULTS = [(k, int(it), int(r)) for k, rest in (item.split("@") for item in
-          filter(None, os.environ.get("ULYSSES_MCORE_FAULT", "").split(","))) for it, r in [rest.split(":")]]
+FAULTS = [
+    (k, int(it), int(r))
+    for k, rest in (item.split("@") for item in filter(None, os.environ.get("ULYSSES_MCORE_FAULT", "").split(",")))
+    for it, r in [rest.split(":")]
+]
 _NOW = {"iteration": 0}
 
 
@@ -27,8 +30,11 @@ def _hit(kind, iteration):
 
 
 def _kill(kind, iteration):
-    print(f"[fault injection] rank {dist.get_rank()} killed at iteration {iteration} ({kind})", file=sys.stderr,
-          flush=True)
+    print(
+        f"[fault injection] rank {dist.get_rank()} killed at iteration {iteration} ({kind})",
+        file=sys.stderr,
+        flush=True,
+    )
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -38,6 +44,7 @@ def _wrap_train_step(fn):
         if _hit("kill", _NOW["iteration"]):
             _kill("kill", _NOW["iteration"])
         return fn(model, optimizer, microbatches, **kw)
+
     return train_step
 
 
@@ -47,6 +54,7 @@ def _wrap_forward_backward(fn):
         if not kw.get("forward_only") and _hit("nan", _NOW["iteration"]):
             next(p for p in model.module.parameters()).main_grad.view(-1)[0] = float("nan")
         return out
+
     return forward_backward
 
 
@@ -55,6 +63,7 @@ def _wrap_publish(fn):
         if _hit("kill_in_save", iteration):
             _kill("kill_in_save", iteration)
         return fn(path, tmp, final, iteration)
+
     return publish_checkpoint
 
 

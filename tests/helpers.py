@@ -113,8 +113,12 @@ def die_with_parent(parent_pid: Optional[int] = None) -> None:
 def _spawn_entry(rank, world_size, port, fn, args, queue, parent_pid=None):
     die_with_parent(parent_pid)
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-        WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        OMP_NUM_THREADS="1",
     )
     torch.set_num_threads(1)
     try:
@@ -165,7 +169,7 @@ def run_spawned(world_size: int, fn: Callable, *args, timeout: float = 600.0, re
             r = min(errors)
             raise RuntimeError(f"rank {r} failed: {errors[r]}")
         results = [None] * world_size
-        for r, status, m in msgs:
+        for r, _status, m in msgs:
             results[r] = m
         return results
     raise RuntimeError("could not start a gloo world")
@@ -243,8 +247,9 @@ def run_in_session(cmd, *, env, cwd, timeout: float, signal_when=None):
     import time
 
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=str(cwd), start_new_session=True,
-                                preexec_fn=die_with_parent)
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=err, env=env, cwd=str(cwd), start_new_session=True, preexec_fn=die_with_parent
+        )
         try:
             deadline = time.time() + timeout
             while signal_when is not None and proc.poll() is None and time.time() < deadline:

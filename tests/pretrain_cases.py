@@ -43,8 +43,15 @@ def main(cases_path, out_dir):
                 rc = pretrain.main(case["argv"])
             except SystemExit as e:
                 rc = e.code
-        results.append({"name": case["name"], "rc": rc, "stdout": out.getvalue(), "stderr": err.getvalue(),
-                        "seconds": time.time() - t0})
+        results.append(
+            {
+                "name": case["name"],
+                "rc": rc,
+                "stdout": out.getvalue(),
+                "stderr": err.getvalue(),
+                "seconds": time.time() - t0,
+            }
+        )
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:  # after each case: partial results survive
             json.dump(results, f)
 

@@ -35,8 +35,22 @@ def make_inputs(seed, S, b, hq, hk, d, layout, dtype=torch.float32, mask=False, 
     return q, k, v, dout, m, bi
 
 
-def run_case(P, S, b, hq, hk, d, layout, causal, dtype=torch.float32, mask=False, bias=False,
-             backend="sdpa", scale=None, chunks=1):
+def run_case(
+    P,
+    S,
+    b,
+    hq,
+    hk,
+    d,
+    layout,
+    causal,
+    dtype=torch.float32,
+    mask=False,
+    bias=False,
+    backend="sdpa",
+    scale=None,
+    chunks=1,
+):
     q, k, v, dout, m, bi = make_inputs(P * 1000 + hq * 10 + hk, S, b, hq, hk, d, layout, dtype, mask, bias)
     sd = 0 if layout == "sbhd" else 1
 
@@ -44,8 +58,17 @@ def run_case(P, S, b, hq, hk, d, layout, causal, dtype=torch.float32, mask=False
         group = dist.group.WORLD
         qs, ks, vs = (t.chunk(world, dim=sd)[rank].clone().requires_grad_() for t in (q, k, v))
         out = ulysses_mcore.ulysses_attention(
-            qs, ks, vs, group=group, causal=causal, layout=layout, backend=backend,
-            softmax_scale=scale, attention_mask=m, attention_bias=bi, overlap_chunks=chunks,
+            qs,
+            ks,
+            vs,
+            group=group,
+            causal=causal,
+            layout=layout,
+            backend=backend,
+            softmax_scale=scale,
+            attention_mask=m,
+            attention_bias=bi,
+            overlap_chunks=chunks,
         )
         out.backward(dout.chunk(world, dim=sd)[rank])
         return out.detach(), qs.grad, ks.grad, vs.grad
@@ -54,8 +77,9 @@ def run_case(P, S, b, hq, hk, d, layout, causal, dtype=torch.float32, mask=False
     got = [torch.cat([r[i] for r in res], dim=sd) for i in range(4)]
 
     qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
-    ref = reference_attention(qr, kr, vr, causal=causal, layout=layout, softmax_scale=scale,
-                              attention_mask=m, attention_bias=bi)
+    ref = reference_attention(
+        qr, kr, vr, causal=causal, layout=layout, softmax_scale=scale, attention_mask=m, attention_bias=bi
+    )
     ref.backward(dout.double())
     want = [ref.detach(), qr.grad, kr.grad, vr.grad]
     return [rel_err(a, b_) for a, b_ in zip(got, want)]
@@ -68,20 +92,23 @@ CASES = [
     (2, 16, 2, 4, 4, 8, "bshd", True),
     (2, 16, 1, 4, 2, 7, "bshd", False),
     (4, 32, 2, 8, 8, 16, "sbhd", True),
-    (4, 32, 2, 8, 2, 16, "sbhd", True),   # GQA 8 q / 2 kv at P=4: kv replicated x2
+    (4, 32, 2, 8, 2, 16, "sbhd", True),  # GQA 8 q / 2 kv at P=4: kv replicated x2
     (4, 32, 2, 8, 2, 16, "bshd", False),
-    (4, 32, 2, 8, 1, 8, "sbhd", True),    # MQA at P=4: kv replicated x4
-    (4, 32, 3, 8, 1, 5, "bshd", True),    # MQA, odd head dim, odd batch
-    (4, 32, 2, 8, 4, 8, "sbhd", False),   # kv scattered, 1 per rank
+    (4, 32, 2, 8, 1, 8, "sbhd", True),  # MQA at P=4: kv replicated x4
+    (4, 32, 3, 8, 1, 5, "bshd", True),  # MQA, odd head dim, odd batch
+    (4, 32, 2, 8, 4, 8, "sbhd", False),  # kv scattered, 1 per rank
     (8, 32, 2, 8, 8, 8, "sbhd", True),
-    (8, 32, 2, 16, 8, 8, "bshd", True),   # 2 q / 1 kv per rank
+    (8, 32, 2, 16, 8, 8, "bshd", True),  # 2 q / 1 kv per rank
     (8, 64, 1, 8, 2, 24, "sbhd", False),  # kv replicated x4 at P=8
-    (2, 16, 2, 6, 3, 13, "sbhd", True),   # odd head dim 13, odd kv heads scattered... 3 % 2 != 0
+    (2, 16, 2, 6, 3, 13, "sbhd", True),  # odd head dim 13, odd kv heads scattered... 3 % 2 != 0
 ]
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if exchange.is_even(c[3], c[4], c[0])],
-                         ids=lambda c: "P{}_s{}_b{}_q{}kv{}_d{}_{}_{}".format(*c[:7], "causal" if c[7] else "full"))
+@pytest.mark.parametrize(
+    "case",
+    [c for c in CASES if exchange.is_even(c[3], c[4], c[0])],
+    ids=lambda c: "P{}_s{}_b{}_q{}kv{}_d{}_{}_{}".format(*c[:7], "causal" if c[7] else "full"),
+)
 def test_fp32_matches_float64_reference(case):
     errs = run_case(*case)
     assert max(errs) < FP32_RTOL, f"rel errors out, dq, dk, dv = {errs}"
@@ -155,8 +182,9 @@ def test_group_of_one_is_direct():
     assert rel_err(out, ref) < FP32_RTOL
 
 
-@pytest.mark.parametrize("P,hq,hk,layout,chunks", [(2, 4, 2, "sbhd", 1), (4, 8, 2, "sbhd", 1), (4, 8, 8, "bshd", 1),
-                                                   (4, 8, 8, "sbhd", 2)])
+@pytest.mark.parametrize(
+    "P,hq,hk,layout,chunks", [(2, 4, 2, "sbhd", 1), (4, 8, 2, "sbhd", 1), (4, 8, 8, "bshd", 1), (4, 8, 8, "sbhd", 2)]
+)
 def test_load_balanced_token_order(P, hq, hk, layout, chunks):
     """Megatron's dual-chunk shard: rank r holds chunks r and 2P-1-r; results equal full attention."""
     S, b, d = 16 * P, 2, 8
@@ -169,9 +197,17 @@ def test_load_balanced_token_order(P, hq, hk, layout, chunks):
 
     def rank_fn(rank, world):
         qs, ks, vs = (lb_shard(t, rank, world).clone().requires_grad_() for t in (q, k, v))
-        out = ulysses_mcore.ulysses_attention(qs, ks, vs, group=dist.group.WORLD, causal=True, layout=layout,
-                                              attention_mask=m, token_order="load_balanced",
-                                              overlap_chunks=chunks)
+        out = ulysses_mcore.ulysses_attention(
+            qs,
+            ks,
+            vs,
+            group=dist.group.WORLD,
+            causal=True,
+            layout=layout,
+            attention_mask=m,
+            token_order="load_balanced",
+            overlap_chunks=chunks,
+        )
         out.backward(lb_shard(dout, rank, world))
         return out.detach(), qs.grad, ks.grad, vs.grad
 
@@ -184,10 +220,16 @@ def test_load_balanced_token_order(P, hq, hk, layout, chunks):
             assert rel_err(res[r][i], lb_shard(want, r, P)) < FP32_RTOL
 
 
-@pytest.mark.parametrize("P,hq,hk,layout,chunks,mask", [
-    (2, 8, 8, "sbhd", 2, False), (2, 8, 8, "sbhd", 4, True), (2, 8, 4, "bshd", 2, True),
-    (4, 16, 8, "sbhd", 2, False), (2, 8, 4, "sbhd", 2, False),
-])
+@pytest.mark.parametrize(
+    "P,hq,hk,layout,chunks,mask",
+    [
+        (2, 8, 8, "sbhd", 2, False),
+        (2, 8, 8, "sbhd", 4, True),
+        (2, 8, 4, "bshd", 2, True),
+        (4, 16, 8, "sbhd", 2, False),
+        (2, 8, 4, "sbhd", 2, False),
+    ],
+)
 def test_overlapped_chunks_match_reference(P, hq, hk, layout, chunks, mask):
     errs = run_case(P, 8 * P, 2, hq, hk, 8, layout, True, mask=mask, bias=mask, chunks=chunks)
     assert max(errs) < FP32_RTOL, errs
@@ -199,8 +241,9 @@ def test_overlap_collective_count_and_rejection():
     def rank_fn(rank, world):
         qs, ks, vs = (t.chunk(world)[rank].clone().requires_grad_() for t in (q, k, v))
         a0 = c.get("all_to_all_single")
-        out = ulysses_mcore.ulysses_attention(qs, ks, vs, group=dist.group.WORLD, causal=True,
-                                              overlap_chunks=4, check=False)
+        out = ulysses_mcore.ulysses_attention(
+            qs, ks, vs, group=dist.group.WORLD, causal=True, overlap_chunks=4, check=False
+        )
         a1 = c.get("all_to_all_single")
         out.backward(dout.chunk(world)[rank])
         return a1 - a0, c.get("all_to_all_single") - a1
@@ -211,23 +254,27 @@ def test_overlap_collective_count_and_rejection():
     from tests.helpers import run_threaded_errors
 
     q2, k2, v2, _, _, _ = make_inputs(6, 16, 1, 8, 2, 8, "sbhd")
-    errs = run_threaded_errors(4, lambda r, w: ulysses_mcore.ulysses_attention(
-        q2.chunk(w)[r], k2.chunk(w)[r], v2.chunk(w)[r], group=dist.group.WORLD, causal=True, overlap_chunks=2))
+    errs = run_threaded_errors(
+        4,
+        lambda r, w: ulysses_mcore.ulysses_attention(
+            q2.chunk(w)[r], k2.chunk(w)[r], v2.chunk(w)[r], group=dist.group.WORLD, causal=True, overlap_chunks=2
+        ),
+    )
     assert all(isinstance(e, ValueError) and "overlap_chunks=2" in str(e) for e in errs), errs
 
 
 UNEVEN = [
     # P, S, b, hq, hk, d, layout, causal, mask
-    (4, 32, 2, 7, 7, 8, "sbhd", True, False),     # 7 heads at P=4: 2, 2, 2, 1
-    (8, 32, 1, 20, 20, 8, "sbhd", True, True),    # 20 at P=8
-    (4, 32, 2, 28, 7, 8, "sbhd", True, True),     # GQA 28 q / 7 kv: groups straddle ranks
+    (4, 32, 2, 7, 7, 8, "sbhd", True, False),  # 7 heads at P=4: 2, 2, 2, 1
+    (8, 32, 1, 20, 20, 8, "sbhd", True, True),  # 20 at P=8
+    (4, 32, 2, 28, 7, 8, "sbhd", True, True),  # GQA 28 q / 7 kv: groups straddle ranks
     (4, 32, 2, 28, 7, 8, "bshd", False, False),
-    (3, 24, 2, 8, 2, 8, "sbhd", True, False),     # P=3
-    (4, 32, 1, 6, 1, 16, "bshd", True, False),    # MQA, 6 heads at P=4
+    (3, 24, 2, 8, 2, 8, "sbhd", True, False),  # P=3
+    (4, 32, 1, 6, 1, 16, "bshd", True, False),  # MQA, 6 heads at P=4
 ]
 
 
-@pytest.mark.parametrize("case", UNEVEN, ids=lambda c: "P{}_q{}kv{}_{}".format(c[0], c[3], c[4], c[6]))
+@pytest.mark.parametrize("case", UNEVEN, ids=lambda c: f"P{c[0]}_q{c[3]}kv{c[4]}_{c[6]}")
 def test_uneven_heads_match_reference(case):
     P, S, b, hq, hk, d, layout, causal, mask = case
     assert not exchange.is_even(hq, hk, P) and exchange.head_layout_error(hq, hk, P) is None

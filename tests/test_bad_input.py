@@ -126,15 +126,24 @@ def test_every_rank_raises_the_same_clear_error(name):
 def test_no_data_collective_before_the_error():
     """The error is raised after the metadata gather only: no all-to-all was issued."""
     with count_collectives() as c:
-        errors = run_threaded_errors(4, lambda r, w: ulysses_mcore.ulysses_attention(
-            **bad_heads(r, w), group=dist.group.WORLD, causal=True))
+        errors = run_threaded_errors(
+            4, lambda r, w: ulysses_mcore.ulysses_attention(**bad_heads(r, w), group=dist.group.WORLD, causal=True)
+        )
     assert all(isinstance(e, ValueError) for e in errors)
     assert c.total("all_to_all_single") == 0 and c.total("all_gather_object") == 4
 
 
 def test_find_problem_is_pure_and_accepts_good_input():
-    opts = dict(layout="sbhd", backend="sdpa", causal=True, softmax_scale=None, dropout_p=0.0,
-                token_order="contiguous", overlap_chunks=1, degree=2)
+    opts = dict(
+        layout="sbhd",
+        backend="sdpa",
+        causal=True,
+        softmax_scale=None,
+        dropout_p=0.0,
+        token_order="contiguous",
+        overlap_chunks=1,
+        degree=2,
+    )
     recs = [validation.describe(**good(r, 2), **opts) for r in range(2)]
     assert validation.verdict(recs, 2) is None
     recs[1] = validation.describe(**bad_shard_len(1, 2), **opts)

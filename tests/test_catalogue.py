@@ -23,8 +23,24 @@ from ulysses_mcore.topology import Topology, TopologyError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "pretrain_gpt.py")
-SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-         "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "2", "--lr-warmup-iters", "1"]
+SMALL = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "64",
+    "--micro-batch-size",
+    "1",
+    "--global-batch-size",
+    "2",
+    "--train-iters",
+    "2",
+    "--lr-warmup-iters",
+    "1",
+]
 COUNT = {"cases": 0}
 
 
@@ -96,10 +112,26 @@ def run_ranks(n, args, cwd, timeout=120, script=SCRIPT):
     port = free_port()
     procs = []
     for r in range(n):
-        env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-        procs.append(subprocess.Popen([sys.executable, script, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True, env=env, cwd=str(cwd)))
+        env = dict(
+            os.environ,
+            RANK=str(r),
+            LOCAL_RANK=str(r),
+            WORLD_SIZE=str(n),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+            PYTHONWARNINGS="ignore",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, script, *args],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+                cwd=str(cwd),
+            )
+        )
     out = []
     t0 = time.time()
     for p in procs:
@@ -108,7 +140,7 @@ def run_ranks(n, args, cwd, timeout=120, script=SCRIPT):
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
-            raise AssertionError(f"a rank did not exit within {timeout}s")
+            raise AssertionError(f"a rank did not exit within {timeout}s") from None
         out.append((p.returncode, o, e))
     return out
 
@@ -130,8 +162,24 @@ def assets(tmp_path_factory):
     os.link(prefix + ".bin", d / "corrupt.bin")
     (d / "empty_ckpt").mkdir()
     t0 = time.time()
-    res = run_ranks(1, SMALL + ["--save", str(d / "ckpt"), "--data-path", prefix, "--train-iters", "4",
-                                "--save-interval", "2", "--log-dir", str(d / "ckpt_log")], d, timeout=300)
+    res = run_ranks(
+        1,
+        SMALL
+        + [
+            "--save",
+            str(d / "ckpt"),
+            "--data-path",
+            prefix,
+            "--train-iters",
+            "4",
+            "--save-interval",
+            "2",
+            "--log-dir",
+            str(d / "ckpt_log"),
+        ],
+        d,
+        timeout=300,
+    )
     assert res[0][0] == 0, res[0][2][-2000:]
     assert "successfully saved checkpoint from iteration       4 to" in res[0][1]
     COUNT["save_s"] = time.time() - t0
@@ -142,19 +190,31 @@ def assets(tmp_path_factory):
 FLAGS = [
     ("unknown flag", ["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     ("world size mismatch", ["--ulysses-degree", "3"], "does not divide WORLD_SIZE(2)"),
-    ("heads vs degree", ["--ulysses-degree", "2", "--num-attention-heads", "1", "--num-query-groups", "1"],
-     "--ulysses-degree 2 does not fit"),
+    (
+        "heads vs degree",
+        ["--ulysses-degree", "2", "--num-attention-heads", "1", "--num-query-groups", "1"],
+        "--ulysses-degree 2 does not fit",
+    ),
     ("sequence vs degree", ["--ulysses-degree", "2", "--seq-length", "66"], "--seq-length 66"),
     ("global batch", ["--global-batch-size", "3"], "--global-batch-size 3"),
     ("save interval without save", ["--save-interval", "1"], "--save-interval needs --save"),
     ("load not a directory", ["--load", "/nonexistent/ckpt"], "--load /nonexistent/ckpt is not a directory"),
-    ("sequence parallel on CPU", ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
-     "--sequence-parallel needs Transformer Engine or apex"),
+    (
+        "sequence parallel on CPU",
+        ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+        "--sequence-parallel needs Transformer Engine or apex",
+    ),
     ("flash on CPU", ["--attention-backend", "flash"], "--attention-backend flash needs a CUDA GPU"),
-    ("ring with flash", ["--context-parallel-size", "2", "--attention-backend", "flash"],
-     "--context-parallel-size > 1 runs the ring with --attention-backend sdpa"),
-    ("TE ring with packed documents", ["--context-parallel-size", "2", "--attention-backend", "te",
-                                       "--reset-attention-mask"], "--reset-attention-mask with --context-parallel-size > 1"),
+    (
+        "ring with flash",
+        ["--context-parallel-size", "2", "--attention-backend", "flash"],
+        "--context-parallel-size > 1 runs the ring with --attention-backend sdpa",
+    ),
+    (
+        "TE ring with packed documents",
+        ["--context-parallel-size", "2", "--attention-backend", "te", "--reset-attention-mask"],
+        "--reset-attention-mask with --context-parallel-size > 1",
+    ),
     # ranges: each must be named before it reaches a modulo, an allocation or Megatron
     ("micro batch 0", ["--micro-batch-size", "0"], "--micro-batch-size must be >= 1, got 0"),
     ("negative sequence", ["--seq-length", "-8"], "--seq-length must be >= 1, got -8"),
@@ -168,7 +228,11 @@ FLAGS = [
     ("split abc", ["--split", "abc"], "--split abc: not a list of numbers"),
     ("split no training", ["--split", "0,100,0"], "--split 0,100,0: the training weight is 0"),
     ("split four parts", ["--split", "1,2,3,4"], "--split 1,2,3,4: give up to three non-negative weights"),
-    ("timeout 0", ["--distributed-timeout-minutes", "0"], "--distributed-timeout-minutes must be a finite number in (0, inf)"),
+    (
+        "timeout 0",
+        ["--distributed-timeout-minutes", "0"],
+        "--distributed-timeout-minutes must be a finite number in (0, inf)",
+    ),
     ("lr nan", ["--lr", "nan"], "--lr must be a finite number in [0, inf), got nan"),
     ("lr inf", ["--lr", "inf"], "--lr must be a finite number in [0, inf), got inf"),
     ("warmup -1", ["--lr-warmup-iters", "-1"], "--lr-warmup-iters must be >= 0 (0: no warmup), got -1"),
@@ -176,17 +240,30 @@ FLAGS = [
     ("beta2 1", ["--adam-beta2", "1"], "--adam-beta2 must be a finite number in [0, 1), got 1.0"),
     ("seed -1", ["--seed", "-1"], "--seed must be >= 0, got -1"),
     ("min lr above lr", ["--lr", "1e-4", "--min-lr", "1e-3"], "--min-lr 0.001 is above --lr 0.0001"),
-    ("positions below sequence", ["--position-embedding-type", "learned_absolute", "--max-position-embeddings", "32"],
-     "--max-position-embeddings 32 is below --seq-length 64"),
-    ("scheduler flags contradict", ["--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"],
-     "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler contradict"),
+    (
+        "positions below sequence",
+        ["--position-embedding-type", "learned_absolute", "--max-position-embeddings", "32"],
+        "--max-position-embeddings 32 is below --seq-length 64",
+    ),
+    (
+        "scheduler flags contradict",
+        ["--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"],
+        "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler contradict",
+    ),
     ("exit interval 0", ["--exit-interval", "0"], "--exit-interval must be >= 1, got 0"),
     ("loss chunk 0", ["--loss-chunk-tokens", "0"], "--loss-chunk-tokens must be >= 1, got 0; leave it out"),
     ("mlp chunk -1", ["--mlp-chunk-tokens", "-1"], "--mlp-chunk-tokens must be >= 1, got -1; leave it out"),
-    ("exit duration 0", ["--exit-duration-in-mins", "0"], "--exit-duration-in-mins must be a finite number in (0, inf)"),
+    (
+        "exit duration 0",
+        ["--exit-duration-in-mins", "0"],
+        "--exit-duration-in-mins must be a finite number in (0, inf)",
+    ),
     # output paths: created and write-tested at start, not found at the first save
-    ("save under a file", ["--save", "{d}/afile/ckpt"], "--save {d}/afile/ckpt: cannot write there ({d}/afile is a file, "
-     "not a directory)"),
+    (
+        "save under a file",
+        ["--save", "{d}/afile/ckpt"],
+        "--save {d}/afile/ckpt: cannot write there ({d}/afile is a file, not a directory)",
+    ),
     ("log dir under a file", ["--log-dir", "{d}/afile/logs"], "--log-dir {d}/afile/logs: cannot write there"),
 ]
 
@@ -250,7 +327,7 @@ def _damaged(d, name, damage):
         shard.write_bytes(shard.read_bytes()[:100])
     elif damage == "shard corrupted":
         raw = bytearray(shard.read_bytes())
-        raw[len(raw) // 2: len(raw) // 2 + 64] = os.urandom(64)
+        raw[len(raw) // 2 : len(raw) // 2 + 64] = os.urandom(64)
         shard.write_bytes(bytes(raw))
     elif damage == "metadata missing":
         (it / ".metadata").unlink()
@@ -279,42 +356,134 @@ WORLD = [
     ("truncated dataset", ["--data-path", "{d}/trunc"], 2, ["trunc.bin is truncated"]),
     ("corrupt index", ["--data-path", "{d}/corrupt"], 2, ["corrupt.idx is not a valid Megatron index"]),
     ("not a checkpoint", ["--load", "{d}/empty_ckpt"], 2, ["no latest_checkpointed_iteration.txt"]),
-    ("incompatible checkpoint", ["--load", "{d}/ckpt", "--hidden-size", "32", "--train-iters", "4"], 2,
-     ["incompatible model: --hidden-size 64 (checkpoint) vs 32 (now)"]),
-    ("latest iter_2", ["--load", "{k}", "--train-iters", "4"], 2,
-     ["latest_checkpointed_iteration.txt holds 'iter_2', not an iteration number", "--load {k}"]),
-    ("latest missing", ["--load", "{k}", "--train-iters", "4"], 2, ["names iteration 9 but {k}/iter_0000009 is missing"]),
-    ("train_state empty", ["--load", "{k}", "--train-iters", "4"], 2, ["{k}/iter_0000004/train_state.pt: empty (0 bytes)"]),
-    ("train_state garbage", ["--load", "{k}", "--train-iters", "4"], 2, ["{k}/iter_0000004/train_state.pt: corrupted (CRC-32"]),
+    (
+        "incompatible checkpoint",
+        ["--load", "{d}/ckpt", "--hidden-size", "32", "--train-iters", "4"],
+        2,
+        ["incompatible model: --hidden-size 64 (checkpoint) vs 32 (now)"],
+    ),
+    (
+        "latest iter_2",
+        ["--load", "{k}", "--train-iters", "4"],
+        2,
+        ["latest_checkpointed_iteration.txt holds 'iter_2', not an iteration number", "--load {k}"],
+    ),
+    (
+        "latest missing",
+        ["--load", "{k}", "--train-iters", "4"],
+        2,
+        ["names iteration 9 but {k}/iter_0000009 is missing"],
+    ),
+    (
+        "train_state empty",
+        ["--load", "{k}", "--train-iters", "4"],
+        2,
+        ["{k}/iter_0000004/train_state.pt: empty (0 bytes)"],
+    ),
+    (
+        "train_state garbage",
+        ["--load", "{k}", "--train-iters", "4"],
+        2,
+        ["{k}/iter_0000004/train_state.pt: corrupted (CRC-32"],
+    ),
     ("shard truncated", ["--load", "{k}", "--train-iters", "4"], 2, ["is damaged", ".distcp: truncated (100 of"]),
     ("shard corrupted", ["--load", "{k}", "--train-iters", "4"], 2, ["is damaged", ".distcp: corrupted (CRC-32"]),
     ("metadata missing", ["--load", "{k}", "--train-iters", "4"], 2, ["{k}/iter_0000004/.metadata: missing"]),
     ("metadata garbage", ["--load", "{k}", "--train-iters", "4"], 2, ["{k}/iter_0000004/.metadata: corrupted (CRC-32"]),
-    ("no manifest, shard truncated", ["--load", "{k}", "--train-iters", "4"], 2,
-     [".distcp: truncated (100 of at least"]),
-    ("no manifest, metadata garbage", ["--load", "{k}", "--train-iters", "4"], 2,
-     ["{k}/iter_0000004/.metadata: unreadable ("]),
-    ("schedule changed", ["--load", "{d}/ckpt", "--train-iters", "6", "--lr", "1e-3"], 2,
-     ["the learning-rate schedule differs from the checkpoint's: --lr 0.003 (checkpoint) vs 0.001 (now); "
-      "--train-iters 4 (checkpoint) vs 6 (now)", "--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"]),
-    ("schedule overridden", ["--load", "{d}/ckpt", "--train-iters", "6", "--override-opt_param-scheduler",
-                             "--log-dir", "{d}/log_override"], 0, ["at iteration 4 (8 samples consumed)"]),
-    ("schedule from checkpoint", ["--load", "{d}/ckpt", "--train-iters", "6", "--use-checkpoint-opt_param-scheduler",
-                                  "--log-dir", "{d}/log_keep"], 0, ["at iteration 4 (8 samples consumed)"]),
-    ("interrupted re-save", ["--load", "{k}", "--train-iters", "4", "--log-dir", "{d}/log_resave"], 0,
-     ["a re-save of that iteration was interrupted: using the copy it replaced", "at iteration 4 (8 samples consumed)"]),
-    ("re-save an iteration", ["--load", "{k}", "--save", "{k}", "--save-interval", "2", "--train-iters", "4",
-                              "--log-dir", "{k}_log"], 0,
-     ["dropped 2 rows after iteration 2", "successfully saved checkpoint from iteration       4 to {k}"]),
-    ("exit interval", ["--save", "{d}/ckpt_interval", "--exit-interval", "2", "--train-iters", "4",
-                       "--log-dir", "{d}/log_interval"], 0, ["exiting program at iteration 2 (--exit-interval 2)"]),
-    ("disk full", ["--save", "{t}/ckpt", "--save-interval", "1", "--train-iters", "3", "--log-dir", "{d}/log_full"], 2,
-     ["saving checkpoint at iteration 2 to {t}/ckpt: no space left on the device",
-      "The partial {t}/ckpt/iter_0000002.tmp was removed and iteration 1 stays the latest checkpoint"]),
-    ("resume after disk full", ["--load", "{t}/ckpt", "--train-iters", "3", "--log-dir", "{d}/log_full"], 0,
-     ["at iteration 1 (2 samples consumed)"]),
-    ("exit duration", ["--save", "{d}/ckpt_exit", "--exit-duration-in-mins", "1e-9", "--train-iters", "4",
-                       "--log-dir", "{d}/log_exit"], 0, ["exiting program after", "--exit-duration-in-mins 1e-09"]),
+    (
+        "no manifest, shard truncated",
+        ["--load", "{k}", "--train-iters", "4"],
+        2,
+        [".distcp: truncated (100 of at least"],
+    ),
+    (
+        "no manifest, metadata garbage",
+        ["--load", "{k}", "--train-iters", "4"],
+        2,
+        ["{k}/iter_0000004/.metadata: unreadable ("],
+    ),
+    (
+        "schedule changed",
+        ["--load", "{d}/ckpt", "--train-iters", "6", "--lr", "1e-3"],
+        2,
+        [
+            "the learning-rate schedule differs from the checkpoint's: --lr 0.003 (checkpoint) vs 0.001 (now); "
+            "--train-iters 4 (checkpoint) vs 6 (now)",
+            "--override-opt_param-scheduler",
+            "--use-checkpoint-opt_param-scheduler",
+        ],
+    ),
+    (
+        "schedule overridden",
+        ["--load", "{d}/ckpt", "--train-iters", "6", "--override-opt_param-scheduler", "--log-dir", "{d}/log_override"],
+        0,
+        ["at iteration 4 (8 samples consumed)"],
+    ),
+    (
+        "schedule from checkpoint",
+        [
+            "--load",
+            "{d}/ckpt",
+            "--train-iters",
+            "6",
+            "--use-checkpoint-opt_param-scheduler",
+            "--log-dir",
+            "{d}/log_keep",
+        ],
+        0,
+        ["at iteration 4 (8 samples consumed)"],
+    ),
+    (
+        "interrupted re-save",
+        ["--load", "{k}", "--train-iters", "4", "--log-dir", "{d}/log_resave"],
+        0,
+        [
+            "a re-save of that iteration was interrupted: using the copy it replaced",
+            "at iteration 4 (8 samples consumed)",
+        ],
+    ),
+    (
+        "re-save an iteration",
+        ["--load", "{k}", "--save", "{k}", "--save-interval", "2", "--train-iters", "4", "--log-dir", "{k}_log"],
+        0,
+        ["dropped 2 rows after iteration 2", "successfully saved checkpoint from iteration       4 to {k}"],
+    ),
+    (
+        "exit interval",
+        ["--save", "{d}/ckpt_interval", "--exit-interval", "2", "--train-iters", "4", "--log-dir", "{d}/log_interval"],
+        0,
+        ["exiting program at iteration 2 (--exit-interval 2)"],
+    ),
+    (
+        "disk full",
+        ["--save", "{t}/ckpt", "--save-interval", "1", "--train-iters", "3", "--log-dir", "{d}/log_full"],
+        2,
+        [
+            "saving checkpoint at iteration 2 to {t}/ckpt: no space left on the device",
+            "The partial {t}/ckpt/iter_0000002.tmp was removed and iteration 1 stays the latest checkpoint",
+        ],
+    ),
+    (
+        "resume after disk full",
+        ["--load", "{t}/ckpt", "--train-iters", "3", "--log-dir", "{d}/log_full"],
+        0,
+        ["at iteration 1 (2 samples consumed)"],
+    ),
+    (
+        "exit duration",
+        [
+            "--save",
+            "{d}/ckpt_exit",
+            "--exit-duration-in-mins",
+            "1e-9",
+            "--train-iters",
+            "4",
+            "--log-dir",
+            "{d}/log_exit",
+        ],
+        0,
+        ["exiting program after", "--exit-duration-in-mins 1e-09"],
+    ),
 ]
 
 
@@ -342,8 +511,13 @@ def world(assets, tmp_path_factory):
     out.mkdir()
     try:
         t0 = time.time()
-        res = run_ranks(2, [str(d / "cases.json"), str(out)], d, timeout=400,
-                        script=os.path.join(ROOT, "tests", "pretrain_cases.py"))
+        res = run_ranks(
+            2,
+            [str(d / "cases.json"), str(out)],
+            d,
+            timeout=400,
+            script=os.path.join(ROOT, "tests", "pretrain_cases.py"),
+        )
         COUNT["world_s"] = time.time() - t0
     finally:
         if mounted:

@@ -18,7 +18,7 @@ DS_CASES = [
     # hq, hk, d, causal
     (8, 8, 16, True),
     (8, 8, 8, False),
-    (8, 4, 16, True),   # GQA, kv heads divisible by P
+    (8, 4, 16, True),  # GQA, kv heads divisible by P
     (16, 4, 8, True),
 ]
 
@@ -63,8 +63,9 @@ def _world(rank, world):
             if impl == "ulysses":
                 o = ulysses_mcore.ulysses_attention(qs, ks, vs, group=dist.group.WORLD, causal=causal)
             else:
-                ds = DistributedAttention(lambda a, b_, c: local_attn(a, b_, c, causal), dist.group.WORLD,
-                                          scatter_idx=2, gather_idx=0)
+                ds = DistributedAttention(
+                    lambda a, b_, c: local_attn(a, b_, c, causal), dist.group.WORLD, scatter_idx=2, gather_idx=0
+                )
                 o = ds(qs, ks, vs, 1)
             o.backward(dout)
             grads.append([o.detach(), qs.grad, ks.grad, vs.grad])

@@ -28,12 +28,12 @@ from tests.helpers import run_spawned
 pytestmark = pytest.mark.spawn
 
 CONFIGS = [
-    dict(ulysses=2),                  # x dp 4
-    dict(ulysses=4),                  # x dp 2
-    dict(tp=2, ulysses=2),            # x dp 2
-    dict(tp=2, ulysses=2, pp=2),      # pipeline schedule with 4 micro-batches
-    dict(ulysses=2, cp=2),            # hybrid Ulysses x ring, x dp 2
-    dict(tp=2, ulysses=2, cp=2),      # tp x hybrid (1 kv head per tp rank, replicated in the a2a)
+    dict(ulysses=2),  # x dp 4
+    dict(ulysses=4),  # x dp 2
+    dict(tp=2, ulysses=2),  # x dp 2
+    dict(tp=2, ulysses=2, pp=2),  # pipeline schedule with 4 micro-batches
+    dict(ulysses=2, cp=2),  # hybrid Ulysses x ring, x dp 2
+    dict(tp=2, ulysses=2, cp=2),  # tp x hybrid (1 kv head per tp rank, replicated in the a2a)
     # chunked linear cross-entropy (5-token chunks) + sequence-tiled MLP (3-token chunks)
     dict(ulysses=2, mem=True),
     dict(tp=2, ulysses=2, mem=True),  # vocab-parallel chunked loss
@@ -48,10 +48,23 @@ PACKED_STEPS = 2
 # sliding window of 5 on layer 1 (layer 2 full: window_attn_skip_freq 2) and learnable sinks,
 # against the unsharded model whose core attention is float64 attention written out by hand.
 MLA_CONFIGS = [dict(ulysses=2), dict(tp=2, ulysses=2)]  # see _mla_parity for what each is held to
-MLA_MODEL = dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=8, multi_latent_attention=True,
-                 q_lora_rank=None, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=12,
-                 rope_type="rope", normalization="RMSNorm", window_size=(5, 0), window_attn_skip_freq=2,
-                 softmax_type="learnable")
+MLA_MODEL = dict(
+    num_layers=2,
+    hidden_size=64,
+    ffn_hidden_size=128,
+    num_attention_heads=8,
+    multi_latent_attention=True,
+    q_lora_rank=None,
+    kv_lora_rank=32,
+    qk_head_dim=16,
+    qk_pos_emb_head_dim=8,
+    v_head_dim=12,
+    rope_type="rope",
+    normalization="RMSNorm",
+    window_size=(5, 0),
+    window_attn_skip_freq=2,
+    softmax_type="learnable",
+)
 EOD, S_PACKED = 255, 32
 GLOBAL, S_REAL, VOCAB, STEPS = 4, 30, 256, 3
 MODEL = dict(num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=8, num_query_groups=2)
@@ -65,7 +78,7 @@ def _data():
     g = torch.Generator().manual_seed(0)
     full = make_lm_batch(torch.randint(0, VOCAB, (GLOBAL, S_REAL + 1), generator=g))
     full["loss_mask"][torch.rand(GLOBAL, S_REAL, generator=g) < 0.2] = 0.0
-    full["loss_mask"][3, S_REAL // 2:] = 0.0
+    full["loss_mask"][3, S_REAL // 2 :] = 0.0
     return full
 
 
@@ -91,8 +104,9 @@ def _step(model, opt, mbs, seq_length):
     model.zero_grad_buffer()
     opt.zero_grad()
     reports = training.forward_backward(model, mbs, seq_length=seq_length, micro_batch_size=1)
-    grads = {training.global_layer_name(model, n): p.main_grad.detach().clone()
-             for n, p in model.module.named_parameters()}
+    grads = {
+        training.global_layer_name(model, n): p.main_grad.detach().clone() for n, p in model.module.named_parameters()
+    }
     opt.step()
     loss, _ = training._loss_on_all_ranks(reports)
     del ps
@@ -110,19 +124,41 @@ def _reference_core_attention():
     from tests.helpers import reference_attention
 
     class ReferenceCoreAttention(MegatronModule):
-        def __init__(self, config, layer_number, attn_mask_type, attention_type="self", attention_dropout=None,
-                     softmax_scale=None, k_channels=None, v_channels=None, cp_comm_type=None, pg_collection=None):
+        def __init__(
+            self,
+            config,
+            layer_number,
+            attn_mask_type,
+            attention_type="self",
+            attention_dropout=None,
+            softmax_scale=None,
+            k_channels=None,
+            v_channels=None,
+            cp_comm_type=None,
+            pg_collection=None,
+        ):
             super().__init__(config=config)
             self.scale = softmax_scale
-            self.window = config.window_size if is_layer_window_attention(
-                config.window_size, config.window_attn_skip_freq, layer_number) else None
+            self.window = (
+                config.window_size
+                if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number)
+                else None
+            )
             gen = torch.Generator().manual_seed(layer_number)
             self.softmax_offset = torch.nn.Parameter(torch.randn(config.num_attention_heads, generator=gen))
 
-        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                    packed_seq_params=None):
-            out = reference_attention(query, key, value, causal=True, softmax_scale=self.scale,
-                                      window_size=self.window, softmax_offset=self.softmax_offset)
+        def forward(
+            self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+        ):
+            out = reference_attention(
+                query,
+                key,
+                value,
+                causal=True,
+                softmax_scale=self.scale,
+                window_size=self.window,
+                softmax_offset=self.softmax_offset,
+            )
             return out.to(query.dtype).reshape(out.shape[0], out.shape[1], -1)
 
     return ReferenceCoreAttention
@@ -187,8 +223,10 @@ def _parity_world(rank, world, ckpt_dir, controls):
     ulysses_mcore.initialize(verbose=False)  # reference: dp 8, every rank holds the whole batch
     model, opt = _build(ckpt_dir, load=False)
     dist.barrier()
-    ref = [_step(model, opt, [{k: v[i:i + 1] for k, v in full.items()} for i in range(GLOBAL)], S_REAL)
-           for _ in range(STEPS)]
+    ref = [
+        _step(model, opt, [{k: v[i : i + 1] for k, v in full.items()} for i in range(GLOBAL)], S_REAL)
+        for _ in range(STEPS)
+    ]
     del model, opt
 
     def run(cfg, steps, mode="exact"):
@@ -200,7 +238,7 @@ def _parity_world(rank, world, ckpt_dir, controls):
         dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
         per = GLOBAL // dp
-        mine = [{k: v[i:i + 1] for k, v in full.items()} for i in range(dp_rank * per, (dp_rank + 1) * per)]
+        mine = [{k: v[i : i + 1] for k, v in full.items()} for i in range(dp_rank * per, (dp_rank + 1) * per)]
         if mode == "late_shift":  # labels shifted inside each shard: the shard's last token loses its label
             shards = []
             for mb in mine:
@@ -250,7 +288,7 @@ def _packed_parity(ckpt_dir):
     from ulysses_mcore.megatron.batch import document_mask, document_boundaries, pack_batch, shard_batch
 
     full = _packed_data()
-    mbs = [{k: v[i:i + 1] for k, v in full.items()} for i in range(GLOBAL)]
+    mbs = [{k: v[i : i + 1] for k, v in full.items()} for i in range(GLOBAL)]
     groups.destroy()
     ulysses_mcore.initialize(verbose=False)
     model, opt = _build(ckpt_dir, load=True, dense_mask=True)
@@ -266,13 +304,15 @@ def _packed_parity(ckpt_dir):
         model, opt = _build(ckpt_dir, load=True)
         dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         per = GLOBAL // dp
-        packed = [pack_batch(mb, EOD) for mb in mbs[dp_rank * per:(dp_rank + 1) * per]]
+        packed = [pack_batch(mb, EOD) for mb in mbs[dp_rank * per : (dp_rank + 1) * per]]
         if control:  # documents ignored: one causal stream
             packed = [dict(p, cu_seqlens=p["cu_seqlens"][[0, -1]]) for p in packed]
         shards = [shard_batch(p) for p in packed]
         if te_layout:  # Megatron-LM / TE's layout: documents padded to 2 x CP, dealt out per document
-            shards = [_te_thd_shard(mb, ps.get_context_parallel_rank(), ps.get_context_parallel_world_size())
-                      for mb in mbs[dp_rank * per:(dp_rank + 1) * per]]
+            shards = [
+                _te_thd_shard(mb, ps.get_context_parallel_rank(), ps.get_context_parallel_world_size())
+                for mb in mbs[dp_rank * per : (dp_rank + 1) * per]
+            ]
         assert "packed_seq_params" in shards[0] and "attention_mask" not in shards[0]
         loss_err, grad_err = 0.0, 0.0
         for step in range(1 if control else PACKED_STEPS):
@@ -280,7 +320,11 @@ def _packed_parity(ckpt_dir):
             loss_err = max(loss_err, abs(loss - ref[step][0]) / abs(ref[step][0]))
             if step == 0:  # tp = 1: every rank holds whole gradients
                 grad_err = _grad_err(model, grads, ref[0][1])
-        out["control: packed, documents ignored" if control else name] = {"loss": loss_err, "grad": grad_err, "later": 0.0}
+        out["control: packed, documents ignored" if control else name] = {
+            "loss": loss_err,
+            "grad": grad_err,
+            "later": 0.0,
+        }
     return out
 
 
@@ -309,8 +353,10 @@ def _mla_parity(ckpt_dir):
     ulysses_mcore.initialize(verbose=False)
     model, opt = _build(ckpt_dir, load=False, mla=True)
     dist.barrier()
-    unsharded = [_step(model, opt, [{k: v[i:i + 1] for k, v in full.items()} for i in range(GLOBAL)], S_REAL)
-                 for _ in range(STEPS)]
+    unsharded = [
+        _step(model, opt, [{k: v[i : i + 1] for k, v in full.items()} for i in range(GLOBAL)], S_REAL)
+        for _ in range(STEPS)
+    ]
 
     def run(cfg, ref, slice_ref=True):
         """Steps of ``cfg``, held to ``ref``: loss of every step, every gradient of the first (the
@@ -318,10 +364,16 @@ def _mla_parity(ckpt_dir):
         groups.destroy()
         ulysses_mcore.initialize(**cfg, verbose=False)
         model, opt = _build(ckpt_dir, load=True, mla=True)
-        dp, dp_rank, cp = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(), ps.get_context_parallel_world_size()
+        dp, dp_rank, cp = (
+            ps.get_data_parallel_world_size(),
+            ps.get_data_parallel_rank(),
+            ps.get_context_parallel_world_size(),
+        )
         per = GLOBAL // dp
-        shards = [shard_batch({k: v[i:i + 1] for k, v in full.items()}, pad_to_multiple_of=2 * cp)
-                  for i in range(dp_rank * per, (dp_rank + 1) * per)]
+        shards = [
+            shard_batch({k: v[i : i + 1] for k, v in full.items()}, pad_to_multiple_of=2 * cp)
+            for i in range(dp_rank * per, (dp_rank + 1) * per)
+        ]
         seq = shards[0]["tokens"].shape[1] * cp
         steps = [_step(model, opt, shards, seq) for _ in range(STEPS)]
         loss_err = max(abs(a[0] - b[0]) / abs(b[0]) for a, b in zip(steps, ref))
@@ -369,14 +421,20 @@ def _te_thd_shard(mb, rank, cp):
         doc = {k: torch.cat([mb[k][0, lo:hi], mb[k].new_zeros(padded - n)]) for k in parts}
         c = padded // (2 * cp)
         for k in parts:
-            parts[k] += [doc[k][rank * c:(rank + 1) * c], doc[k][(2 * cp - 1 - rank) * c:(2 * cp - rank) * c]]
+            parts[k] += [doc[k][rank * c : (rank + 1) * c], doc[k][(2 * cp - 1 - rank) * c : (2 * cp - rank) * c]]
         bounds_pad.append(bounds_pad[-1] + padded)
     out = {k: torch.cat(v)[None] for k, v in parts.items()}
     real = torch.tensor(cu, dtype=torch.int32)
     pad = torch.tensor(bounds_pad, dtype=torch.int32)
     out["packed_seq_params"] = PackedSeqParams(
-        qkv_format="thd", cu_seqlens_q=real, cu_seqlens_kv=real, cu_seqlens_q_padded=pad, cu_seqlens_kv_padded=pad,
-        max_seqlen_q=int((pad[1:] - pad[:-1]).max()), max_seqlen_kv=int((pad[1:] - pad[:-1]).max()))
+        qkv_format="thd",
+        cu_seqlens_q=real,
+        cu_seqlens_kv=real,
+        cu_seqlens_q_padded=pad,
+        cu_seqlens_kv_padded=pad,
+        max_seqlen_q=int((pad[1:] - pad[:-1]).max()),
+        max_seqlen_kv=int((pad[1:] - pad[:-1]).max()),
+    )
     return out
 
 
@@ -400,15 +458,21 @@ def test_gpt_parity_with_unsharded_model(tmp_path):
                 m[key] = max(m[key], r[key])
     print()
     for name, m in merged.items():
-        print(f"{name:>36}: max loss rel err (3 steps) {m['loss']:.2e}, max grad rel err {m['grad']:.2e} "
-              f"(after 1-2 Adam steps {m['later']:.2e})")
+        print(
+            f"{name:>36}: max loss rel err (3 steps) {m['loss']:.2e}, max grad rel err {m['grad']:.2e} "
+            f"(after 1-2 Adam steps {m['later']:.2e})"
+        )
     for cfg in CONFIGS:
         m = merged[str(cfg)]
         assert m["loss"] < 1e-5 and m["grad"] < 1e-5, (cfg, m)
     for name in [f"packed {cfg}" for cfg in PACKED_CONFIGS] + ["te_layout_4"] + [f"mla {cfg}" for cfg in MLA_CONFIGS]:
         m = merged[name]
         assert m["loss"] < 1e-5 and m["grad"] < 1e-5, (name, m)
-    for name in ("control: late label shift", "control: exchange bypassed", "control: packed, documents ignored",
-                 "control: chunked loss, wrong vocabulary offset"):
+    for name in (
+        "control: late label shift",
+        "control: exchange bypassed",
+        "control: packed, documents ignored",
+        "control: chunked loss, wrong vocabulary offset",
+    ):
         m = merged[name]
         assert m["loss"] > 1e-3 or m["grad"] > 1e-3, (name, m)

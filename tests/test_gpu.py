@@ -56,7 +56,9 @@ def _nccl_world(rank, world, backend):
     return max(errs)
 
 
-@pytest.mark.skipif(int(os.environ.get("ULYSSES_GPU_WORLD", "0")) < 2, reason="set ULYSSES_GPU_WORLD=P on a node with P GPUs")
+@pytest.mark.skipif(
+    int(os.environ.get("ULYSSES_GPU_WORLD", "0")) < 2, reason="set ULYSSES_GPU_WORLD=P on a node with P GPUs"
+)
 def test_nccl_world():
     P = int(os.environ["ULYSSES_GPU_WORLD"])
     if torch.cuda.device_count() < P:
@@ -97,11 +99,12 @@ def _nccl_hybrid_world(rank, world, backend):
     q, k, v, dout = (t.cuda() for t in _inputs(S=S))
 
     def shard(t):
-        return torch.cat([t[s:s + n] for s, n in ring_segments(rank, world, S, "load_balanced")])
+        return torch.cat([t[s : s + n] for s, n in ring_segments(rank, world, S, "load_balanced")])
 
     qs, ks, vs = (shard(t).clone().requires_grad_() for t in (q, k, v))
-    out = ulysses_attention(qs, ks, vs, group=ug, ring_group=rg, causal=True, backend=backend,
-                            token_order="load_balanced")
+    out = ulysses_attention(
+        qs, ks, vs, group=ug, ring_group=rg, causal=True, backend=backend, token_order="load_balanced"
+    )
     out.backward(shard(dout))
     qr, kr, vr = (t.double().cpu().requires_grad_() for t in (q, k, v))
     ref = reference_attention(qr, kr, vr, causal=True)
@@ -113,7 +116,9 @@ def _nccl_hybrid_world(rank, world, backend):
     return max(errs)
 
 
-@pytest.mark.skipif(int(os.environ.get("ULYSSES_GPU_WORLD", "0")) < 4, reason="set ULYSSES_GPU_WORLD=4 on a node with 4+ GPUs")
+@pytest.mark.skipif(
+    int(os.environ.get("ULYSSES_GPU_WORLD", "0")) < 4, reason="set ULYSSES_GPU_WORLD=4 on a node with 4+ GPUs"
+)
 @pytest.mark.parametrize("backend", ["sdpa", "te"])
 def test_nccl_hybrid_world(backend):
     from ulysses_mcore import backends
@@ -164,8 +169,11 @@ def test_threaded_world_on_one_gpu_matches_float64_without_host_syncs(P):
 
 
 GPU_VARIANTS = [  # backend, options: each kernel with what it supports natively (docs/variants.md)
-    ("sdpa", dict(window_size=(32, 0))), ("flash", dict(window_size=(32, 0))), ("te", dict(window_size=(32, 0))),
-    ("sdpa", dict(dv=32)), ("te", dict(dv=32)),
+    ("sdpa", dict(window_size=(32, 0))),
+    ("flash", dict(window_size=(32, 0))),
+    ("te", dict(window_size=(32, 0))),
+    ("sdpa", dict(dv=32)),
+    ("te", dict(dv=32)),
     ("sdpa", dict(softmax_offset=True, return_lse=True, window_size=(48, 0))),
 ]
 
@@ -182,15 +190,18 @@ def test_variant_kernels_on_gpu_match_float64(backend, opts):
     if opts.pop("dv", None):
         v = v[..., :32].contiguous()
     dout = torch.randn(*q.shape[:3], v.shape[-1], device="cuda", dtype=q.dtype)
-    sink = torch.linspace(-1, 1, q.shape[2], device="cuda").requires_grad_() if opts.pop("softmax_offset", False) else None
+    sink = (
+        torch.linspace(-1, 1, q.shape[2], device="cuda").requires_grad_() if opts.pop("softmax_offset", False) else None
+    )
     qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
     res = ulysses_attention(qs, ks, vs, group=None, causal=True, backend=backend, softmax_offset=sink, **opts)
     out, lse = res if opts.get("return_lse") else (res, None)
     (out.float() * dout.float()).sum().add(lse.sum() if lse is not None else 0).backward()
     qr, kr, vr = (t.double().cpu().requires_grad_() for t in (q, k, v))
     sr = sink.detach().double().cpu().requires_grad_() if sink is not None else None
-    ro, rl = reference_attention(qr, kr, vr, causal=True, window_size=opts.get("window_size"), softmax_offset=sr,
-                                 return_lse=True)
+    ro, rl = reference_attention(
+        qr, kr, vr, causal=True, window_size=opts.get("window_size"), softmax_offset=sr, return_lse=True
+    )
     ((ro * dout.double().cpu()).sum() + (rl.sum() if lse is not None else 0)).backward()
     pairs = [(out, ro), (qs.grad, qr.grad), (ks.grad, kr.grad), (vs.grad, vr.grad)]
     if lse is not None:

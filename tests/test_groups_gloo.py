@@ -10,8 +10,8 @@ CONFIGS = [
     dict(ulysses=2, pp=2),
     dict(tp=2, ulysses=2),
     dict(ulysses=4),
-    dict(ulysses=2, cp=2),          # hierarchical CP
-    dict(ulysses=2),                # dp 2
+    dict(ulysses=2, cp=2),  # hierarchical CP
+    dict(ulysses=2),  # dp 2
 ]
 
 
@@ -59,9 +59,13 @@ def _world(rank, world):
     try:
         ps.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=4)
         g = state.get_ulysses_group()
-        results.append({"patched": sorted(dist.get_process_group_ranks(g)) ==
-                        sorted(dist.get_process_group_ranks(ps.get_context_parallel_group()))
-                        and dist.get_world_size(g) == 4})
+        results.append(
+            {
+                "patched": sorted(dist.get_process_group_ranks(g))
+                == sorted(dist.get_process_group_ranks(ps.get_context_parallel_group()))
+                and dist.get_world_size(g) == 4
+            }
+        )
     finally:
         megatron_patches.remove()
         groups.destroy()

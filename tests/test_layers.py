@@ -42,8 +42,7 @@ def _package_imports():
     import ast
 
     pkg = ROOT / "ulysses_mcore"
-    mods = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
-            for p in pkg.rglob("*.py")}
+    mods = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p for p in pkg.rglob("*.py")}
     graph = {}
     for name, path in mods.items():
         base = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
@@ -51,8 +50,8 @@ def _package_imports():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom):
                 parts = base.split(".")
-                target = ".".join(parts[:len(parts) - node.level + 1] if node.level else []) if node.level else ""
-                target = (target + "." + node.module if target and node.module else target or node.module or "")
+                target = ".".join(parts[: len(parts) - node.level + 1] if node.level else []) if node.level else ""
+                target = target + "." + node.module if target and node.module else target or node.module or ""
                 for alias in node.names:
                     full = f"{target}.{alias.name}"
                     deps.add(full if full in mods else target)
@@ -74,7 +73,7 @@ def test_no_import_cycles():
         stack.append(m)
         for d in sorted(graph[m]):
             if state.get(d) == "open":
-                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(d):] + [d]))
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(d) :] + [d]))
             if d not in state:
                 visit(d)
         stack.pop()
@@ -83,3 +82,24 @@ def test_no_import_cycles():
     for m in sorted(graph):
         if m not in state:
             visit(m)
+
+
+SIZE_BOUNDS = dict(
+    nloc=60, ccn=15
+)  # per function: lines of code (docstrings and comments aside), cyclomatic complexity
+TABLES = {"ulysses_mcore/megatron/arguments.py": {"build_parser"}}  # argparse tables: data, one branch
+
+
+def test_functions_are_small():
+    """Every function of the package within the bounds (lizard's measure), argparse tables excepted."""
+    import lizard
+
+    big = []
+    for path in sorted((ROOT / "ulysses_mcore").rglob("*.py")):
+        rel = str(path.relative_to(ROOT))
+        for f in lizard.analyze_file(str(path)).function_list:
+            if f.name in TABLES.get(rel, ()):
+                continue
+            if f.nloc > SIZE_BOUNDS["nloc"] or f.cyclomatic_complexity > SIZE_BOUNDS["ccn"]:
+                big.append(f"{rel}:{f.start_line} {f.long_name}: {f.nloc} lines, complexity {f.cyclomatic_complexity}")
+    assert not big, f"functions over {SIZE_BOUNDS}: split them into named steps or tables\n" + "\n".join(big)

@@ -15,16 +15,22 @@ def test_shards_reassemble_and_keep_shifted_labels(b, S, degree, lb):
     mult = degree * (2 if lb else 1)
     padded = B.pad_batch(full, mult, pad_token_id=-1)
     assert padded["tokens"].shape[1] % mult == 0
-    shards = [B.shard_batch(full, rank=r, degree=degree, load_balanced=lb, pad_to_multiple_of=mult, pad_token_id=-1)
-              for r in range(degree)]
+    shards = [
+        B.shard_batch(full, rank=r, degree=degree, load_balanced=lb, pad_to_multiple_of=mult, pad_token_id=-1)
+        for r in range(degree)
+    ]
     # every (token, label, position) triple of the full batch appears exactly once
     seen = {}
     for s in shards:
-        for t, l, p, m in zip(s["tokens"].flatten().tolist(), s["labels"].flatten().tolist(),
-                              s["position_ids"].flatten().tolist(), s["loss_mask"].flatten().tolist()):
-            seen.setdefault(p, []).append((t, l, m))
+        for t, lab, p, m in zip(
+            s["tokens"].flatten().tolist(),
+            s["labels"].flatten().tolist(),
+            s["position_ids"].flatten().tolist(),
+            s["loss_mask"].flatten().tolist(),
+        ):
+            seen.setdefault(p, []).append((t, lab, m))
     for p in range(S):
-        tokens_at_p = [x for x in seen[p]]
+        tokens_at_p = list(seen[p])
         assert len(tokens_at_p) == b
         assert sorted(tokens_at_p) == sorted(zip(text[:, p].tolist(), text[:, p + 1].tolist(), [1.0] * b))
     for p in range(S, padded["tokens"].shape[1]):
@@ -59,8 +65,13 @@ def _same(a, b):
     import functools
 
     if isinstance(a, functools.partial) and isinstance(b, functools.partial):
-        return (a.func == b.func and len(a.args) == len(b.args) and all(map(_same, a.args, b.args))
-                and a.keywords.keys() == b.keywords.keys() and all(_same(a.keywords[k], b.keywords[k]) for k in a.keywords))
+        return (
+            a.func == b.func
+            and len(a.args) == len(b.args)
+            and all(map(_same, a.args, b.args))
+            and a.keywords.keys() == b.keywords.keys()
+            and all(_same(a.keywords[k], b.keywords[k]) for k in a.keywords)
+        )
     return a == b
 
 

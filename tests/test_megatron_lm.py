@@ -28,21 +28,60 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MEGATRON_LM = os.environ.get("MEGATRON_LM", "")
 SCRIPT = os.path.join(MEGATRON_LM, "pretrain_gpt.py")
 MISSING = [m for m in ("six", "regex", "yaml", "triton") if importlib.util.find_spec(m) is None]
-REASON = (f"$MEGATRON_LM={MEGATRON_LM!r} holds no pretrain_gpt.py: point it at Megatron-LM "
-          "(../shared/megatron-lm for megatron-core 0.16, ../shared/megatron-lm-0.19 for 0.19)"
-          if not os.path.isfile(SCRIPT) else
-          f"Megatron-LM needs {MISSING}: pip install -e '.[megatron-lm]'")
+REASON = (
+    f"$MEGATRON_LM={MEGATRON_LM!r} holds no pretrain_gpt.py: point it at Megatron-LM "
+    "(../shared/megatron-lm for megatron-core 0.16, ../shared/megatron-lm-0.19 for 0.19)"
+    if not os.path.isfile(SCRIPT)
+    else f"Megatron-LM needs {MISSING}: pip install -e '.[megatron-lm]'"
+)
 
 pytestmark = [pytest.mark.spawn, pytest.mark.skipif(not os.path.isfile(SCRIPT) or bool(MISSING), reason=REASON)]
 
-TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128",
-        "--max-position-embeddings", "128", "--micro-batch-size", "2", "--global-batch-size", "8",
-        "--lr", "1e-3", "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000", "--seed", "1234",
-        "--attention-dropout", "0", "--hidden-dropout", "0", "--tokenizer-type", "NullTokenizer"]
+TINY = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "128",
+    "--max-position-embeddings",
+    "128",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--lr",
+    "1e-3",
+    "--log-interval",
+    "1",
+    "--eval-iters",
+    "0",
+    "--eval-interval",
+    "1000",
+    "--seed",
+    "1234",
+    "--attention-dropout",
+    "0",
+    "--hidden-dropout",
+    "0",
+    "--tokenizer-type",
+    "NullTokenizer",
+]
 MOCK = ["--mock-data", "--vocab-size", "255"]  # unless a case gives --data-path
-CPU = ["--distributed-backend", "gloo", "--transformer-impl", "local", "--no-gradient-accumulation-fusion",
-       "--no-persist-layer-norm", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-masked-softmax-fusion",
-       "--no-rope-fusion"]
+CPU = [
+    "--distributed-backend",
+    "gloo",
+    "--transformer-impl",
+    "local",
+    "--no-gradient-accumulation-fusion",
+    "--no-persist-layer-norm",
+    "--no-bias-gelu-fusion",
+    "--no-bias-dropout-fusion",
+    "--no-masked-softmax-fusion",
+    "--no-rope-fusion",
+]
 ROPE = ["--position-embedding-type", "rope"]
 
 _RUNS: dict = {}
@@ -54,16 +93,33 @@ def run_megatron_lm(nproc: int, flags, iters: int = 4, timeout: int = 300):
     if key in _RUNS:
         return _RUNS[key]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([MEGATRON_LM, ROOT]), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(free_port()), "-m", "megatron_patches.launch",
-           os.path.join(ROOT, "tests", "megatron_lm_probe.py"), SCRIPT,
-           *CPU, *TINY, *([] if "--data-path" in flags else MOCK), "--train-iters", str(iters), *flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "megatron_patches.launch",
+        os.path.join(ROOT, "tests", "megatron_lm_probe.py"),
+        SCRIPT,
+        *CPU,
+        *TINY,
+        *([] if "--data-path" in flags else MOCK),
+        "--train-iters",
+        str(iters),
+        *flags,
+    ]
     rc, stdout, stderr = run_in_session(cmd, env=env, cwd=ROOT, timeout=timeout)
     out = stdout + stderr
     assert rc == 0, f"{' '.join(cmd)}\nexit {rc}\n{out[-6000:]}"
     probe = {int(m[1]): (float(m[2]), float(m[3])) for m in re.finditer(r"^PROBE (\d+) (\S+) (\S+)", out, re.M)}
-    logged = {int(m[1]): (float(m[2]), float(m[3])) for m in re.finditer(
-        r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: (\S+) \|.*?grad norm: (\S+) \|", out)}
+    logged = {
+        int(m[1]): (float(m[2]), float(m[3]))
+        for m in re.finditer(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: (\S+) \|.*?grad norm: (\S+) \|", out)
+    }
     _RUNS[key] = (probe, logged, out)
     return _RUNS[key]
 
@@ -78,27 +134,48 @@ def assert_same_lines(got, want, iterations, what, logged=None):
         for name, g, w in (("loss", gp[it][0], wp[it][0]), ("grad norm", gp[it][1], wp[it][1])):
             assert abs(g - w) <= 1e-5 * abs(w), f"{what}: iteration {it} {name} {g!r} vs {w!r} without Ulysses"
     for it in logged:  # Megatron-LM's own log lines: loss to its 7 printed digits, grad norm to 3 decimals
-        assert abs(gl[it][0] - wl[it][0]) <= 1e-5 * abs(wl[it][0]) and abs(gl[it][1] - wl[it][1]) <= 1.5e-3, \
+        assert abs(gl[it][0] - wl[it][0]) <= 1e-5 * abs(wl[it][0]) and abs(gl[it][1] - wl[it][1]) <= 1.5e-3, (
             f"{what}: Megatron-LM's iteration {it} line {gl[it]} vs {wl[it]}"
+        )
 
 
 # layout name: (world size, flags with Ulysses, the same script and world size without it)
 LAYOUTS = {
     "ulysses4_rope": (4, ["--ulysses-degree", "4", *ROPE], ROPE),
-    "tp2_ulysses2_distopt": (4, ["--tensor-model-parallel-size", "2", "--ulysses-degree", "2",
-                                 "--use-distributed-optimizer"],
-                             ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"]),
-    "pp2_ulysses2": (4, ["--pipeline-model-parallel-size", "2", "--ulysses-degree", "2"],
-                     ["--pipeline-model-parallel-size", "2"]),
+    "tp2_ulysses2_distopt": (
+        4,
+        ["--tensor-model-parallel-size", "2", "--ulysses-degree", "2", "--use-distributed-optimizer"],
+        ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"],
+    ),
+    "pp2_ulysses2": (
+        4,
+        ["--pipeline-model-parallel-size", "2", "--ulysses-degree", "2"],
+        ["--pipeline-model-parallel-size", "2"],
+    ),
     "ulysses2_cp2_rope": (4, ["--ulysses-degree", "2", "--context-parallel-size", "2", *ROPE], ROPE),
     # chunked linear cross-entropy (vocab-parallel over tp 2) and the sequence-tiled MLP
     # Megatron's sliding window (layer 2 full: --window-attn-skip-freq 2): the reference is Megatron's
     # own DotProductAttention with its sliding-window mask
-    "ulysses2_window": (2, ["--ulysses-degree", "2", "--window-size", "16,0", "--window-attn-skip-freq", "2", *ROPE],
-                        ["--window-size", "16,0", "--window-attn-skip-freq", "2", *ROPE]),
-    "tp2_ulysses2_chunked": (4, ["--tensor-model-parallel-size", "2", "--ulysses-degree", "2",
-                                 "--use-distributed-optimizer", "--loss-chunk-tokens", "20", "--mlp-chunk-tokens", "12"],
-                             ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"]),
+    "ulysses2_window": (
+        2,
+        ["--ulysses-degree", "2", "--window-size", "16,0", "--window-attn-skip-freq", "2", *ROPE],
+        ["--window-size", "16,0", "--window-attn-skip-freq", "2", *ROPE],
+    ),
+    "tp2_ulysses2_chunked": (
+        4,
+        [
+            "--tensor-model-parallel-size",
+            "2",
+            "--ulysses-degree",
+            "2",
+            "--use-distributed-optimizer",
+            "--loss-chunk-tokens",
+            "20",
+            "--mlp-chunk-tokens",
+            "12",
+        ],
+        ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"],
+    ),
 }
 
 
@@ -121,9 +198,19 @@ def test_indexed_data_ulysses2_learned_absolute(tmp_path_factory):
     positions (Megatron-LM's default; RoPE in the other cases): position_embeddings.weight must
     start the same whatever the context-parallel size."""
     prefix = str(tmp_path_factory.mktemp("indexed") / "kjv")
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"), "--input",
-                        os.path.join(ROOT, "ulysses_mcore", "corpus", "kjv_genesis_exodus.jsonl"), "--output-prefix", prefix],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "tools", "preprocess_data.py"),
+            "--input",
+            os.path.join(ROOT, "ulysses_mcore", "corpus", "kjv_genesis_exodus.jsonl"),
+            "--output-prefix",
+            prefix,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     data = ["--data-path", prefix, "--split", "98,2,0", "--vocab-size", "257"]
     got = run_megatron_lm(2, ["--ulysses-degree", "2", *data])
@@ -137,8 +224,9 @@ def test_ulysses2_checkpoint_resumes_at_ulysses1(tmp_path):
     for iterations 5-6: the same lines as an uninterrupted run without Ulysses."""
     ckpt = str(tmp_path / "ckpt")
     want = run_megatron_lm(2, ROPE, iters=6)
-    saved = run_megatron_lm(2, ["--ulysses-degree", "2", *ROPE, "--save", ckpt, "--save-interval", "4",
-                                "--exit-interval", "4"], iters=6)
+    saved = run_megatron_lm(
+        2, ["--ulysses-degree", "2", *ROPE, "--save", ckpt, "--save-interval", "4", "--exit-interval", "4"], iters=6
+    )
     assert sorted(saved[0]) == [1, 2, 3, 4] and os.path.isdir(os.path.join(ckpt, "iter_0000004"))
     assert_same_lines(saved, want, range(1, 5), "ulysses 2 before the save")
     resumed = run_megatron_lm(2, [*ROPE, "--load", ckpt], iters=6)

@@ -22,8 +22,15 @@ def test_fold_args_turns_ulysses_into_context_parallelism():
 
 
 def test_fold_args_rejects_bad_degrees():
-    args = argparse.Namespace(ulysses_degree=3, context_parallel_size=1, num_attention_heads=4, num_query_groups=4,
-                              tensor_model_parallel_size=2, pipeline_model_parallel_size=1, seq_length=96)
+    args = argparse.Namespace(
+        ulysses_degree=3,
+        context_parallel_size=1,
+        num_attention_heads=4,
+        num_query_groups=4,
+        tensor_model_parallel_size=2,
+        pipeline_model_parallel_size=1,
+        seq_length=96,
+    )
     with pytest.raises(ValueError, match="--ulysses-degree 3"):
         megatron_patches.fold_args(args)
 
@@ -40,8 +47,15 @@ def test_apply_swaps_specs_and_remove_restores():
         assert megatron_patches.is_applied()
         core = g.get_gpt_layer_local_spec().submodules.self_attention.submodules.core_attention
         assert getattr(core, "module", core) is not UlyssesAttention  # no --ulysses-degree: untouched
-        args = argparse.Namespace(ulysses_degree=2, context_parallel_size=1, num_attention_heads=4, num_query_groups=4,
-                                  tensor_model_parallel_size=1, pipeline_model_parallel_size=1, seq_length=64)
+        args = argparse.Namespace(
+            ulysses_degree=2,
+            context_parallel_size=1,
+            num_attention_heads=4,
+            num_query_groups=4,
+            tensor_model_parallel_size=1,
+            pipeline_model_parallel_size=1,
+            seq_length=64,
+        )
         megatron_patches.fold_args(args)
         spec = g.get_gpt_layer_local_spec()
         assert spec.submodules.self_attention.submodules.core_attention.module is UlyssesAttention
@@ -54,8 +68,10 @@ def test_apply_swaps_specs_and_remove_restores():
     assert getattr(core, "module", core) is not UlyssesAttention
 
 
-@pytest.mark.skipif(importlib.util.find_spec("megatron.training") is None,
-                    reason="Megatron-LM's megatron.training is not installed (only megatron-core is on PyPI)")
+@pytest.mark.skipif(
+    importlib.util.find_spec("megatron.training") is None,
+    reason="Megatron-LM's megatron.training is not installed (only megatron-core is on PyPI)",
+)
 def test_against_megatron_lm_validate_args():
     from megatron.training import arguments
 
@@ -129,11 +145,13 @@ def test_cpu_compat_for_megatron_lm_each_shim():
 
     mlm = os.environ.get("MEGATRON_LM", "")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (mlm, os.getcwd()) if p))
-    probe = subprocess.run([sys.executable, "-c", "import megatron.training.initialize"], env=env,
-                           capture_output=True, text=True)
+    probe = subprocess.run(
+        [sys.executable, "-c", "import megatron.training.initialize"], env=env, capture_output=True, text=True
+    )
     if probe.returncode != 0:
-        pytest.skip("Megatron-LM's megatron.training is not importable (set $MEGATRON_LM): "
-                    + probe.stderr.strip().splitlines()[-1])
-    r = subprocess.run([sys.executable, "-c", _CPU_COMPAT_CHECK], env=env, capture_output=True, text=True,
-                       timeout=300)
+        pytest.skip(
+            "Megatron-LM's megatron.training is not importable (set $MEGATRON_LM): "
+            + probe.stderr.strip().splitlines()[-1]
+        )
+    r = subprocess.run([sys.executable, "-c", _CPU_COMPAT_CHECK], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "CPU-COMPAT-OK" in r.stdout, r.stderr[-3000:]

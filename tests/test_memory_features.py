@@ -11,8 +11,11 @@ import torch.distributed as dist
 
 from tests.helpers import run_threaded
 
-CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="an in-process CPU world (Megatron's CUDA calls "
-                              "mapped to the CPU by cpu_compat); on GPU nodes the parity world covers it")
+CPU_ONLY = pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="an in-process CPU world (Megatron's CUDA calls "
+    "mapped to the CPU by cpu_compat); on GPU nodes the parity world covers it",
+)
 
 
 def _reference(hidden, weight, labels):
@@ -41,7 +44,7 @@ def test_chunked_cross_entropy_matches_float64_vocab_parallel(tp, chunk):
     def rank_fn(rank, world):
         Vl = V // world
         hd = hidden.clone().requires_grad_()
-        wd = weight[rank * Vl:(rank + 1) * Vl].clone().requires_grad_()
+        wd = weight[rank * Vl : (rank + 1) * Vl].clone().requires_grad_()
         loss = ChunkedLinearCrossEntropy.apply(hd, wd, labels, chunk, dist.group.WORLD, rank * Vl)
         (loss * upstream).sum().backward()
         return loss.detach(), hd.grad, wd.grad
@@ -65,7 +68,9 @@ def test_chunked_cross_entropy_negative_control():
     ref = _reference(hidden, weight, labels)
 
     def rank_fn(rank, world):
-        return ChunkedLinearCrossEntropy.apply(hidden, weight[rank * 8:(rank + 1) * 8], labels, 4, dist.group.WORLD, 0)
+        return ChunkedLinearCrossEntropy.apply(
+            hidden, weight[rank * 8 : (rank + 1) * 8], labels, 4, dist.group.WORLD, 0
+        )
 
     loss = run_threaded(2, rank_fn)[0]
     assert (loss.double() - ref).abs().max() > 1e-2
@@ -100,15 +105,23 @@ def test_tiled_mlp_equals_megatrons_mlp(gated):
         from ulysses_mcore.megatron import training
         from ulysses_mcore.megatron.specs import get_ulysses_layer_spec, swap_mlp
 
-        cfg = training.gpt_config(num_layers=1, hidden_size=16, ffn_hidden_size=64, num_attention_heads=2,
-                                  gated_linear_unit=gated, activation_func=torch.nn.functional.silu if gated
-                                  else torch.nn.functional.gelu, add_bias_linear=True)
+        cfg = training.gpt_config(
+            num_layers=1,
+            hidden_size=16,
+            ffn_hidden_size=64,
+            num_attention_heads=2,
+            gated_linear_unit=gated,
+            activation_func=torch.nn.functional.silu if gated else torch.nn.functional.gelu,
+            add_bias_linear=True,
+        )
+
         def build(spec):  # megatron-core 0.16: a ModuleSpec; 0.19: partial(MLP.as_mlp_submodule, ...)
             if isinstance(spec, functools.partial):
                 from megatron.core.process_groups_config import ProcessGroupCollection
 
-                return spec(config=cfg, pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
-                            is_mtp_layer=False)
+                return spec(
+                    config=cfg, pg_collection=ProcessGroupCollection.use_mpu_process_groups(), is_mtp_layer=False
+                )
             return build_module(spec, config=cfg)
 
         spec = get_ulysses_layer_spec().submodules.mlp
@@ -131,6 +144,7 @@ def test_tiled_mlp_equals_megatrons_mlp(gated):
         assert (o1 - o2).abs().max() < 1e-6 and (gx1 - gx2).abs().max() < 1e-6
         for n in gp1:
             assert (gp1[n] - gp2[n]).abs().max() <= 1e-6 * gp1[n].abs().max().clamp_min(1), n
+
         def widest(saved):  # the largest saved tensor at least ffn wide (elements)
             return max((s.numel() for s in saved if s[-1] >= 64), default=0)
 
@@ -161,10 +175,11 @@ def test_chunked_loss_under_sequence_parallelism(tp, chunk):
 
     def rank_fn(rank, world):
         Vl, sl = V // world, s // world
-        hd = hidden[rank * sl:(rank + 1) * sl].clone().requires_grad_()
-        wd = weight[rank * Vl:(rank + 1) * Vl].clone().requires_grad_()
-        loss = chunked_cross_entropy(hd, wd, labels, chunk, tp_group=dist.group.WORLD, vocab_start=rank * Vl,
-                                     sequence_parallel=True)
+        hd = hidden[rank * sl : (rank + 1) * sl].clone().requires_grad_()
+        wd = weight[rank * Vl : (rank + 1) * Vl].clone().requires_grad_()
+        loss = chunked_cross_entropy(
+            hd, wd, labels, chunk, tp_group=dist.group.WORLD, vocab_start=rank * Vl, sequence_parallel=True
+        )
         (loss * upstream).sum().backward()
         return loss.detach(), hd.grad, wd.grad
 

@@ -12,8 +12,14 @@ from tests.helpers import reference_attention, run_threaded, run_threaded_errors
 
 def config(heads=8, groups=2, hidden=64, dropout=0.0, **kw):
     return TransformerConfig(
-        num_layers=1, hidden_size=hidden, num_attention_heads=heads, num_query_groups=groups,
-        attention_dropout=dropout, hidden_dropout=0.0, use_cpu_initialization=True, **kw,
+        num_layers=1,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        attention_dropout=dropout,
+        hidden_dropout=0.0,
+        use_cpu_initialization=True,
+        **kw,
     )
 
 
@@ -29,8 +35,9 @@ def run_module(P, mask_type, use_mask=False, use_bias=False, heads=8, groups=2, 
     bias = torch.randn(1, heads, S, S, generator=g) if use_bias else None
 
     def rank_fn(rank, world):
-        mod = UlyssesAttention(cfg, layer_number=1, attn_mask_type=mask_type, attention_type="self",
-                               ulysses_group=dist.group.WORLD)
+        mod = UlyssesAttention(
+            cfg, layer_number=1, attn_mask_type=mask_type, attention_type="self", ulysses_group=dist.group.WORLD
+        )
         qs, ks, vs = (t.chunk(world)[rank].clone().requires_grad_() for t in (q, k, v))
         out = mod(qs, ks, vs, mask, attn_mask_type=mask_type, attention_bias=bias)
         assert out.shape == (S // world, b, heads * d)
@@ -101,7 +108,10 @@ def test_construction_errors_name_the_flag():
         UlyssesAttention(config(3, 3, hidden=48), 1, AttnMaskType.causal, ulysses_group=dist.group.WORLD)
 
     errs = run_threaded_errors(4, rank_fn)
-    assert all(isinstance(e, ValueError) and "--ulysses-degree 4" in str(e) and "--num-attention-heads 3" in str(e) for e in errs), errs
+    assert all(
+        isinstance(e, ValueError) and "--ulysses-degree 4" in str(e) and "--num-attention-heads 3" in str(e)
+        for e in errs
+    ), errs
 
     def packed(rank, world):
         mod = UlyssesAttention(config(4, 4, hidden=32), 1, AttnMaskType.causal, ulysses_group=dist.group.WORLD)
@@ -114,8 +124,9 @@ def test_construction_errors_name_the_flag():
     assert all(isinstance(e, ValueError) and "'thd' format only" in str(e) for e in errs), errs
 
     def ring_mismatch(rank, world):  # Megatron's CP size 4 but only a Ulysses group of 2 and no ring
-        UlyssesAttention(config(4, 4, hidden=32, context_parallel_size=4), 1, AttnMaskType.causal,
-                         ulysses_group=dist.group.WORLD)
+        UlyssesAttention(
+            config(4, 4, hidden=32, context_parallel_size=4), 1, AttnMaskType.causal, ulysses_group=dist.group.WORLD
+        )
 
     errs = run_threaded_errors(2, ring_mismatch)
     assert all(isinstance(e, ValueError) and "--ulysses-degree x --context-parallel-size" in str(e) for e in errs), errs
@@ -133,8 +144,8 @@ def test_megatron_per_document_thd_layout(P, mask_type):
     from ulysses_mcore.megatron.batch import document_mask
 
     heads, d = 4, 8
-    real = [5, 11, 3]                      # document lengths
-    padded = [8, 12, 4]                    # each padded to a multiple of 2P = 4
+    real = [5, 11, 3]  # document lengths
+    padded = [8, 12, 4]  # each padded to a multiple of 2P = 4
     cu_pad = torch.tensor([0, 8, 20, 24], dtype=torch.int32)
     cu_real = torch.tensor([0, 5, 16, 19], dtype=torch.int32)
     T = int(cu_pad[-1])
@@ -145,15 +156,24 @@ def test_megatron_per_document_thd_layout(P, mask_type):
         parts = []
         for lo, n in zip(cu_pad[:-1].tolist(), padded):
             c = n // (2 * P)
-            parts += [t[lo + r * c: lo + (r + 1) * c], t[lo + (2 * P - 1 - r) * c: lo + (2 * P - r) * c]]
+            parts += [t[lo + r * c : lo + (r + 1) * c], t[lo + (2 * P - 1 - r) * c : lo + (2 * P - r) * c]]
         return torch.cat(parts)
 
     def rank_fn(rank, world):
-        mod = UlyssesAttention(config(heads, heads, hidden=heads * d, context_parallel_size=P), 1,
-                               mask_type, ulysses_group=dist.group.WORLD)
+        mod = UlyssesAttention(
+            config(heads, heads, hidden=heads * d, context_parallel_size=P),
+            1,
+            mask_type,
+            ulysses_group=dist.group.WORLD,
+        )
         qs, ks, vs = (te_shard(t, rank).clone().requires_grad_() for t in (q, k, v))
-        psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_real, cu_seqlens_kv=cu_real,
-                              cu_seqlens_q_padded=cu_pad, cu_seqlens_kv_padded=cu_pad)
+        psp = PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu_real,
+            cu_seqlens_kv=cu_real,
+            cu_seqlens_q_padded=cu_pad,
+            cu_seqlens_kv_padded=cu_pad,
+        )
         out = mod(qs, ks, vs, None, packed_seq_params=psp)
         out.backward(te_shard(dout, rank).reshape(out.shape))
         return out.detach().view(-1, heads, d), qs.grad, ks.grad, vs.grad
@@ -161,7 +181,7 @@ def test_megatron_per_document_thd_layout(P, mask_type):
     res = run_threaded(P, rank_fn)
     is_real = torch.zeros(T, dtype=torch.bool)
     for lo, n in zip(cu_pad[:-1].tolist(), real):
-        is_real[lo:lo + n] = True
+        is_real[lo : lo + n] = True
     mask = document_mask(cu_pad, T) | ~is_real[None, None, None, :] | ~is_real[None, None, :, None]
     qr, kr, vr = (t.double().unsqueeze(1).requires_grad_() for t in (q, k, v))
     ref = reference_attention(qr, kr, vr, causal=mask_type == AttnMaskType.padding_causal, attention_mask=mask)
@@ -200,17 +220,29 @@ def test_module_variants_from_megatron_config(layer, softmax_type):
     cfg = config(8, 2, window_size=(3, 0), window_attn_skip_freq=2, softmax_type=softmax_type)
     d, S, b = cfg.kv_channels, 16, 2
     g = torch.Generator().manual_seed(layer)
-    q, k, v = torch.randn(S, b, 8, d, generator=g), torch.randn(S, b, 2, d, generator=g), torch.randn(S, b, 2, d, generator=g)
+    q, k, v = (
+        torch.randn(S, b, 8, d, generator=g),
+        torch.randn(S, b, 2, d, generator=g),
+        torch.randn(S, b, 2, d, generator=g),
+    )
     dout = torch.randn(S, b, 8 * d, generator=g)
 
     def rank_fn(rank, world):
-        mod = UlyssesAttention(cfg, layer_number=layer, attn_mask_type=AttnMaskType.causal,
-                               ulysses_group=dist.group.WORLD)
+        mod = UlyssesAttention(
+            cfg, layer_number=layer, attn_mask_type=AttnMaskType.causal, ulysses_group=dist.group.WORLD
+        )
         qs, ks, vs = (t.chunk(world)[rank].clone().requires_grad_() for t in (q, k, v))
         mod(qs, ks, vs, None).backward(dout.chunk(world)[rank])
         sinks = mod.softmax_offset
-        return (qs.grad, ks.grad, vs.grad, sinks.detach().clone(), sinks.grad if sinks.requires_grad else None,
-                mod.window_size, [n for n, _ in mod.named_parameters()])
+        return (
+            qs.grad,
+            ks.grad,
+            vs.grad,
+            sinks.detach().clone(),
+            sinks.grad if sinks.requires_grad else None,
+            mod.window_size,
+            [n for n, _ in mod.named_parameters()],
+        )
 
     res = run_threaded(4, rank_fn)
     window = res[0][5]

@@ -18,9 +18,30 @@ from tests.helpers import free_port, run_in_session
 pytestmark = pytest.mark.spawn
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "pretrain_gpt.py")
-COMMON = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
-          "--seq-length", "128", "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "6",
-          "--lr-warmup-iters", "1", "--lr", "3e-3", "--seed", "7"]
+COMMON = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--num-query-groups",
+    "2",
+    "--seq-length",
+    "128",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "4",
+    "--train-iters",
+    "6",
+    "--lr-warmup-iters",
+    "1",
+    "--lr",
+    "3e-3",
+    "--seed",
+    "7",
+]
 
 
 class Result:
@@ -31,8 +52,17 @@ class Result:
 def launch(nproc, args, log_dir, timeout=300, script=SCRIPT, signal_when=None):
     """torchrun of the pretrain script in its own session (tests.helpers.run_in_session)."""
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    cmd = [torchrun, "--nproc-per-node", str(nproc), "--master-port", str(free_port()), script, *args,
-           "--log-dir", str(log_dir)]
+    cmd = [
+        torchrun,
+        "--nproc-per-node",
+        str(nproc),
+        "--master-port",
+        str(free_port()),
+        script,
+        *args,
+        "--log-dir",
+        str(log_dir),
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     return Result(*run_in_session(cmd, env=env, cwd=log_dir, timeout=timeout, signal_when=signal_when))
 
@@ -51,8 +81,10 @@ def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("pretrain")
     out = {}
     # the uninterrupted runs: ulysses 1 (one rank) and ulysses 2 (two ranks, saving at 3 and 6)
-    for name, nproc, extra in [("u1", 1, []),
-                               ("u2", 2, ["--ulysses-degree", "2", "--save", str(base / "ckpt"), "--save-interval", "3"])]:
+    for name, nproc, extra in [
+        ("u1", 1, []),
+        ("u2", 2, ["--ulysses-degree", "2", "--save", str(base / "ckpt"), "--save-interval", "3"]),
+    ]:
         d = base / name
         d.mkdir()
         r = launch(nproc, COMMON + extra, d)
@@ -61,8 +93,10 @@ def runs(tmp_path_factory):
     # resume the ulysses-2 checkpoint of iteration 3 at other degrees
     with open(base / "ckpt" / "latest_checkpointed_iteration.txt", "w") as f:
         f.write("3")
-    for name, nproc, extra in [("resume_tp2u2", 4, ["--tensor-model-parallel-size", "2", "--ulysses-degree", "2"]),
-                               ("resume_u1", 1, [])]:
+    for name, nproc, extra in [
+        ("resume_tp2u2", 4, ["--tensor-model-parallel-size", "2", "--ulysses-degree", "2"]),
+        ("resume_u1", 1, []),
+    ]:
         d = base / name
         d.mkdir()
         r = launch(nproc, COMMON + extra + ["--load", str(base / "ckpt")], d)
@@ -75,8 +109,16 @@ def test_log_lines_in_megatron_format(runs):
     d, r = runs["u2"]
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith(" iteration")]
     assert len(lines) == 6
-    for key in ("consumed samples:", "elapsed time per iteration (ms):", "learning rate:", "global batch size:",
-                "lm loss:", "grad norm:", "tokens per second:", "peak memory (GB):"):
+    for key in (
+        "consumed samples:",
+        "elapsed time per iteration (ms):",
+        "learning rate:",
+        "global batch size:",
+        "lm loss:",
+        "grad norm:",
+        "tokens per second:",
+        "peak memory (GB):",
+    ):
         assert key in lines[0]
     assert "parallel axes in force: world 2 = tp 1 x ulysses 2" in r.stdout
     ls = losses(d)
@@ -97,9 +139,11 @@ def test_hybrid_and_packed_runs_give_the_same_losses(runs, tmp_path):
     """ulysses 2 x ring cp 2 equals ulysses 1; packed (--reset-attention-mask) at ulysses 2 x cp 2
     equals packed at ulysses 1, and documents really are split (more documents than samples)."""
     out = {}
-    for name, nproc, extra in [("hybrid", 4, ["--ulysses-degree", "2", "--context-parallel-size", "2"]),
-                               ("packed_u1", 1, PACKED),
-                               ("packed_u2cp2", 4, PACKED + ["--ulysses-degree", "2", "--context-parallel-size", "2"])]:
+    for name, nproc, extra in [
+        ("hybrid", 4, ["--ulysses-degree", "2", "--context-parallel-size", "2"]),
+        ("packed_u1", 1, PACKED),
+        ("packed_u2cp2", 4, PACKED + ["--ulysses-degree", "2", "--context-parallel-size", "2"]),
+    ]:
         d = tmp_path / name
         d.mkdir()
         r = launch(nproc, COMMON + extra, d)
@@ -142,8 +186,10 @@ def test_resume_at_other_degrees_continues_the_curve(runs, name):
 
 BAD_FLAGS = [
     (["--ulysses-degree", "3"], "does not divide WORLD_SIZE(2)"),
-    (["--ulysses-degree", "2", "--num-attention-heads", "1", "--num-query-groups", "1"],
-     "--ulysses-degree 2 does not fit"),
+    (
+        ["--ulysses-degree", "2", "--num-attention-heads", "1", "--num-query-groups", "1"],
+        "--ulysses-degree 2 does not fit",
+    ),
     (["--ulysses-degree", "2", "--seq-length", "130"], "--seq-length 130"),
     (["--global-batch-size", "3"], "--global-batch-size 3"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
@@ -178,10 +224,18 @@ def test_bad_flags_fail_fast_on_every_rank(tmp_path):
     args, needle = BAD_FLAGS[0]
     r = launch(2, COMMON + args, tmp_path, timeout=120)
     assert r.returncode != 0 and needle in r.stderr, r.stderr[-2000:]
-    env = dict(os.environ, RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()), PYTHONWARNINGS="ignore")
-    r1 = subprocess.run([sys.executable, SCRIPT, *COMMON, *args], capture_output=True, text=True, timeout=60,
-                        env=env, cwd=str(tmp_path))
+    env = dict(
+        os.environ,
+        RANK="1",
+        LOCAL_RANK="1",
+        WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        PYTHONWARNINGS="ignore",
+    )
+    r1 = subprocess.run(
+        [sys.executable, SCRIPT, *COMMON, *args], capture_output=True, text=True, timeout=60, env=env, cwd=str(tmp_path)
+    )
     assert r1.returncode == 2 and needle in r1.stderr, r1.stderr[-2000:]
 
 
@@ -189,8 +243,10 @@ def test_same_initial_model_for_every_layout(runs, tmp_path):
     """One --seed, one model: pp 2 and pp 2 x tp 2 start where 1 rank starts (iteration-1 loss
     within 1e-6) and follow the same curve."""
     base = losses(runs["u1"][0])
-    for name, nproc, extra in [("pp2", 2, ["--pipeline-model-parallel-size", "2"]),
-                               ("pp2tp2", 4, ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2"])]:
+    for name, nproc, extra in [
+        ("pp2", 2, ["--pipeline-model-parallel-size", "2"]),
+        ("pp2tp2", 4, ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2"]),
+    ]:
         d = tmp_path / name
         d.mkdir()
         r = launch(nproc, COMMON + extra, d)
@@ -201,11 +257,35 @@ def test_same_initial_model_for_every_layout(runs, tmp_path):
             assert close(got[it], base[it]), (name, it, got[it], base[it])
 
 
-MEGATRON_LM_FAMILY = ["--group-query-attention", "--num-query-groups", "2", "--normalization", "RMSNorm", "--swiglu",
-                      "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--init-method-std", "0.01",
-                      "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--adam-beta1", "0.9",
-                      "--adam-beta2", "0.95", "--lr-decay-style", "cosine", "--use-mcore-models",
-                      "--transformer-impl", "local", "--eval-iters", "0", "--eval-interval", "2"]
+MEGATRON_LM_FAMILY = [
+    "--group-query-attention",
+    "--num-query-groups",
+    "2",
+    "--normalization",
+    "RMSNorm",
+    "--swiglu",
+    "--untie-embeddings-and-output-weights",
+    "--disable-bias-linear",
+    "--init-method-std",
+    "0.01",
+    "--attention-dropout",
+    "0.0",
+    "--hidden-dropout",
+    "0.0",
+    "--adam-beta1",
+    "0.9",
+    "--adam-beta2",
+    "0.95",
+    "--lr-decay-style",
+    "cosine",
+    "--use-mcore-models",
+    "--transformer-impl",
+    "local",
+    "--eval-iters",
+    "0",
+    "--eval-interval",
+    "2",
+]
 
 
 def test_megatron_lm_command_line_of_a_llama_style_gpt(tmp_path):
@@ -226,9 +306,22 @@ def test_megatron_lm_command_line_of_a_llama_style_gpt(tmp_path):
 
 def test_plot_training_draws_a_png(runs, tmp_path):
     out = tmp_path / "training.png"
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plot_training.py"),
-                        os.path.join(runs["u1"][0], "metrics.csv"), os.path.join(runs["u2"][0], "metrics.csv"),
-                        "--label", "ulysses1", "--label", "ulysses2", "--out", str(out)],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "tools", "plot_training.py"),
+            os.path.join(runs["u1"][0], "metrics.csv"),
+            os.path.join(runs["u2"][0], "metrics.csv"),
+            "--label",
+            "ulysses1",
+            "--label",
+            "ulysses2",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000

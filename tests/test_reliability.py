@@ -59,8 +59,9 @@ def test_save_killed_half_way_keeps_the_previous_checkpoint_and_resume_continues
     d = root / "killed"
     d.mkdir()
     ckpt = d / "ckpt"
-    r, _ = launch_env(2, SHORT + ["--ulysses-degree", "2", "--save", str(ckpt), "--save-interval", "2"], d,
-                      "kill_in_save@4:0")
+    r, _ = launch_env(
+        2, SHORT + ["--ulysses-degree", "2", "--save", str(ckpt), "--save-interval", "2"], d, "kill_in_save@4:0"
+    )
     assert r.returncode != 0
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2"
     assert (ckpt / "iter_0000002" / "train_state.pt").exists()
@@ -77,8 +78,9 @@ def test_save_killed_half_way_keeps_the_previous_checkpoint_and_resume_continues
 
 
 def test_a_rank_killed_mid_step_fails_the_job_fast(tmp_path):
-    r, elapsed = launch_env(2, SHORT + ["--ulysses-degree", "2", "--distributed-timeout-minutes", "1"], tmp_path,
-                            "kill@3:1", timeout=180)
+    r, elapsed = launch_env(
+        2, SHORT + ["--ulysses-degree", "2", "--distributed-timeout-minutes", "1"], tmp_path, "kill@3:1", timeout=180
+    )
     assert r.returncode != 0
     assert "rank 1 killed at iteration 3" in r.stderr
     assert elapsed < 90, elapsed  # the survivor fails on the broken connection, far inside the timeout
@@ -90,9 +92,13 @@ def test_the_survivor_of_a_dead_peer_says_so_and_exits(tmp_path):
     os.environ["ULYSSES_MCORE_FAULT"] = "kill@3:1"
     try:
         t0 = time.time()
-        (rc0, _, err0), (rc1, _, _) = run_ranks(2, SHORT + ["--ulysses-degree", "2", "--distributed-timeout-minutes", "1",
-                                                          "--log-dir", str(tmp_path)], tmp_path, timeout=120,
-                                                    script=FAULT_SCRIPT)
+        (rc0, _, err0), (rc1, _, _) = run_ranks(
+            2,
+            SHORT + ["--ulysses-degree", "2", "--distributed-timeout-minutes", "1", "--log-dir", str(tmp_path)],
+            tmp_path,
+            timeout=120,
+            script=FAULT_SCRIPT,
+        )
     finally:
         os.environ.pop("ULYSSES_MCORE_FAULT", None)
     assert rc1 == -signal.SIGKILL

@@ -37,8 +37,13 @@ def test_groups_equal_megatron_rank_generator():
         dec = RankGenerator(tp=t.tp, ep=1, dp=t.dp, pp=t.pp, cp=t.ulysses * t.cp, order=m_order)
         exp = RankGenerator(tp=t.tp, ep=t.ep, dp=t.edp, pp=t.pp, cp=1, order=m_order)
         for ours, theirs in [
-            ("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("ulysses-cp", "cp"),
-            ("dp-ulysses-cp", "dp-cp"), ("tp-ulysses-cp", "tp-cp"), ("tp-pp", "tp-pp"),
+            ("tp", "tp"),
+            ("pp", "pp"),
+            ("dp", "dp"),
+            ("ulysses-cp", "cp"),
+            ("dp-ulysses-cp", "dp-cp"),
+            ("tp-ulysses-cp", "tp-cp"),
+            ("tp-pp", "tp-pp"),
             ("tp-dp-ulysses-cp", "tp-dp-cp"),
         ]:
             assert t.groups(ours) == dec.get_ranks(theirs), (c, ours)
@@ -46,9 +51,9 @@ def test_groups_equal_megatron_rank_generator():
             theirs = ours.replace("edp", "dp")
             assert t.groups(ours) == exp.get_ranks(theirs), (c, ours)
         # Ulysses = the first hierarchical-CP level: contiguous runs of each CP group
-        want = sorted(tuple(g[i:i + t.ulysses]) for g in dec.get_ranks("cp") for i in range(0, len(g), t.ulysses))
+        want = sorted(tuple(g[i : i + t.ulysses]) for g in dec.get_ranks("cp") for i in range(0, len(g), t.ulysses))
         assert sorted(map(tuple, t.groups("ulysses"))) == want, c
-        ring = sorted(tuple(g[i::t.ulysses]) for g in dec.get_ranks("cp") for i in range(t.ulysses))
+        ring = sorted(tuple(g[i :: t.ulysses]) for g in dec.get_ranks("cp") for i in range(t.ulysses))
         assert sorted(map(tuple, t.groups("cp"))) == ring, c
         checked += 1
     assert checked == len(CONFIGS) == 300
@@ -81,16 +86,19 @@ def test_large_world_is_fast():
     assert time.perf_counter() - t0 < 30  # generous: a hang guard, not a timing claim
 
 
-@pytest.mark.parametrize("kwargs,needles", [
-    (dict(world_size=12, tp=2, ulysses=4, pp=2), ["tp(2) * ulysses(4) * cp(1) * pp(2) = 16", "WORLD_SIZE(12)"]),
-    (dict(world_size=8, tp=0), ["--tensor-model-parallel-size", ">= 1"]),
-    (dict(world_size=8, ulysses=-2), ["--ulysses-degree"]),
-    (dict(world_size=8, ulysses=2, order="tp-ulysses-cp-dp-xx"), ["unknown axis", "xx"]),
-    (dict(world_size=8, ulysses=2, order="tp-cp-dp-pp"), ["lacks axis 'ulysses'", "--ulysses-degree is 2"]),
-    (dict(world_size=8, order="tp-cp-ulysses-dp-pp"), ["'cp' must come right after 'ulysses'"]),
-    (dict(world_size=8, order="tp-tp-dp"), ["more than once"]),
-    (dict(world_size=12, tp=2, ep=4), ["tp(2) * ep(4) * pp(1) = 8", "--expert-model-parallel-size"]),
-])
+@pytest.mark.parametrize(
+    "kwargs,needles",
+    [
+        (dict(world_size=12, tp=2, ulysses=4, pp=2), ["tp(2) * ulysses(4) * cp(1) * pp(2) = 16", "WORLD_SIZE(12)"]),
+        (dict(world_size=8, tp=0), ["--tensor-model-parallel-size", ">= 1"]),
+        (dict(world_size=8, ulysses=-2), ["--ulysses-degree"]),
+        (dict(world_size=8, ulysses=2, order="tp-ulysses-cp-dp-xx"), ["unknown axis", "xx"]),
+        (dict(world_size=8, ulysses=2, order="tp-cp-dp-pp"), ["lacks axis 'ulysses'", "--ulysses-degree is 2"]),
+        (dict(world_size=8, order="tp-cp-ulysses-dp-pp"), ["'cp' must come right after 'ulysses'"]),
+        (dict(world_size=8, order="tp-tp-dp"), ["more than once"]),
+        (dict(world_size=12, tp=2, ep=4), ["tp(2) * ep(4) * pp(1) = 8", "--expert-model-parallel-size"]),
+    ],
+)
 def test_bad_topologies(kwargs, needles):
     with pytest.raises(TopologyError) as e:
         Topology(**kwargs)
@@ -98,13 +106,28 @@ def test_bad_topologies(kwargs, needles):
         assert n in str(e.value), (n, str(e.value))
 
 
-@pytest.mark.parametrize("topo,model,needles", [
-    (dict(world_size=8, tp=2, ulysses=4), dict(num_attention_heads=6), ["--ulysses-degree 4", "larger than the 3 query heads"]),
-    (dict(world_size=8, tp=2, ulysses=2), dict(num_attention_heads=20, num_query_groups=6), ["query heads (10) must be a multiple of kv heads (3)"]),
-    (dict(world_size=8, tp=4), dict(num_attention_heads=6), ["--tensor-model-parallel-size 4"]),
-    (dict(world_size=8, ulysses=2, cp=2), dict(num_attention_heads=8, seq_length=100), ["--seq-length 100", "= 8"]),
-    (dict(world_size=8, ulysses=4), dict(num_attention_heads=8, seq_length=6, load_balanced=False), ["--seq-length 6", "= 4"]),
-])
+@pytest.mark.parametrize(
+    "topo,model,needles",
+    [
+        (
+            dict(world_size=8, tp=2, ulysses=4),
+            dict(num_attention_heads=6),
+            ["--ulysses-degree 4", "larger than the 3 query heads"],
+        ),
+        (
+            dict(world_size=8, tp=2, ulysses=2),
+            dict(num_attention_heads=20, num_query_groups=6),
+            ["query heads (10) must be a multiple of kv heads (3)"],
+        ),
+        (dict(world_size=8, tp=4), dict(num_attention_heads=6), ["--tensor-model-parallel-size 4"]),
+        (dict(world_size=8, ulysses=2, cp=2), dict(num_attention_heads=8, seq_length=100), ["--seq-length 100", "= 8"]),
+        (
+            dict(world_size=8, ulysses=4),
+            dict(num_attention_heads=8, seq_length=6, load_balanced=False),
+            ["--seq-length 6", "= 4"],
+        ),
+    ],
+)
 def test_model_checks(topo, model, needles):
     with pytest.raises(TopologyError) as e:
         Topology(**topo).check_model(**model)
@@ -126,9 +149,32 @@ def test_tools_topology_json_and_warnings(capsys):
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
     import topology as tool
 
-    assert tool.main(["--world-size", "64", "--gpus-per-node", "8", "--tp", "2", "--ulysses", "4", "--pp", "2",
-                      "--num-attention-heads", "32", "--num-query-groups", "8", "--seq-length", "131072",
-                      "--rank", "5", "--json"]) == 0
+    assert (
+        tool.main(
+            [
+                "--world-size",
+                "64",
+                "--gpus-per-node",
+                "8",
+                "--tp",
+                "2",
+                "--ulysses",
+                "4",
+                "--pp",
+                "2",
+                "--num-attention-heads",
+                "32",
+                "--num-query-groups",
+                "8",
+                "--seq-length",
+                "131072",
+                "--rank",
+                "5",
+                "--json",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert out["groups_of_rank"]["ulysses"] == [1, 3, 5, 7]
     assert out["heads"]["query_heads_in_attention"] == 4 and out["tokens"]["per_rank_outside_attention"] == 32768

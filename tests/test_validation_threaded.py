@@ -27,8 +27,9 @@ def call(rank, P, **kw):
 
 def packed(rank, P, cu, **kw):
     t = torch.randn(16 // P, H, D)
-    return ulysses_mcore.ulysses_attention(t, t, t, group=dist.group.WORLD, causal=True, layout="thd",
-                                           cu_seqlens=cu, **kw)
+    return ulysses_mcore.ulysses_attention(
+        t, t, t, group=dist.group.WORLD, causal=True, layout="thd", cu_seqlens=cu, **kw
+    )
 
 
 def on_rank(r, bad, good=None):
@@ -39,35 +40,54 @@ def on_rank(r, bad, good=None):
 CASES = {
     # name: (per-rank call, substrings of the one message)
     "thd with a 4-D tensor on one rank": (
-        lambda rank, P: call(rank, P, layout=on_rank(1, "thd", "sbhd")(rank)), ["3-D", "rank 1"]),
+        lambda rank, P: call(rank, P, layout=on_rank(1, "thd", "sbhd")(rank)),
+        ["3-D", "rank 1"],
+    ),
     "list mask on one rank": (
-        lambda rank, P: call(rank, P, attention_mask=on_rank(0, [[True]])(rank)), ["attention_mask", "list"]),
+        lambda rank, P: call(rank, P, attention_mask=on_rank(0, [[True]])(rank)),
+        ["attention_mask", "list"],
+    ),
     "list cu_seqlens on one rank": (
-        lambda rank, P: packed(rank, P, on_rank(1, [0, 16], torch.tensor([0, 16]))(rank)), ["cu_seqlens", "rank 1"]),
+        lambda rank, P: packed(rank, P, on_rank(1, [0, 16], torch.tensor([0, 16]))(rank)),
+        ["cu_seqlens", "rank 1"],
+    ),
     "causal None vs False": (
-        lambda rank, P: call(rank, P, causal=on_rank(0, None, False)(rank)), ["causal must be True or False", "None"]),
+        lambda rank, P: call(rank, P, causal=on_rank(0, None, False)(rank)),
+        ["causal must be True or False", "None"],
+    ),
     "softmax_scale differs": (
-        lambda rank, P: call(rank, P, softmax_scale=on_rank(1, 0.5, 0.25)(rank)), ["disagree in softmax_scale"]),
+        lambda rank, P: call(rank, P, softmax_scale=on_rank(1, 0.5, 0.25)(rank)),
+        ["disagree in softmax_scale"],
+    ),
     "dropout_p differs": (
-        lambda rank, P: call(rank, P, dropout_p=on_rank(1, 0.1, 0.0)(rank)), ["disagree in dropout_p"]),
+        lambda rank, P: call(rank, P, dropout_p=on_rank(1, 0.1, 0.0)(rank)),
+        ["disagree in dropout_p"],
+    ),
     "bias on one rank only": (
         lambda rank, P: call(rank, P, attention_bias=on_rank(0, torch.zeros(1, 1, S, S))(rank)),
-        ["disagree in attention_bias"]),
+        ["disagree in attention_bias"],
+    ),
     "float mask": (
-        lambda rank, P: call(rank, P, attention_mask=torch.zeros(1, 1, S, S)), ["must be a bool tensor", "float32"]),
+        lambda rank, P: call(rank, P, attention_mask=torch.zeros(1, 1, S, S)),
+        ["must be a bool tensor", "float32"],
+    ),
     "int mask (1 = keep)": (
         lambda rank, P: call(rank, P, attention_mask=torch.ones(1, 1, S, S, dtype=torch.int64)),
-        ["must be a bool tensor", "~mask.bool()"]),
-    "int inputs": (
-        lambda rank, P: call(rank, P, qkv=[t.long() for t in inputs(rank, P)]), ["floating-point", "int64"]),
+        ["must be a bool tensor", "~mask.bool()"],
+    ),
+    "int inputs": (lambda rank, P: call(rank, P, qkv=[t.long() for t in inputs(rank, P)]), ["floating-point", "int64"]),
     "complex inputs": (
         lambda rank, P: call(rank, P, qkv=[t.to(torch.complex64) for t in inputs(rank, P)]),
-        ["floating-point", "complex64"]),
+        ["floating-point", "complex64"],
+    ),
     "cu_seqlens differ (a checksum collision once)": (
         lambda rank, P: packed(rank, P, torch.tensor([0, 1, 2, 3, 13, 16] if rank == 0 else [0, 1, 2, 8, 9, 16])),
-        ["disagree in cu_seqlens", "[0, 1, 2, 3, 13, 16]"]),
+        ["disagree in cu_seqlens", "[0, 1, 2, 3, 13, 16]"],
+    ),
     "overlap_chunks not an int": (
-        lambda rank, P: call(rank, P, overlap_chunks=1.5), ["overlap_chunks must be an integer"]),
+        lambda rank, P: call(rank, P, overlap_chunks=1.5),
+        ["overlap_chunks must be an integer"],
+    ),
 }
 
 
@@ -85,6 +105,7 @@ def test_same_error_on_every_rank(name):
 def test_group_without_this_rank():
     """A rank handed a group it is not in gets a ValueError at once (no peer waits on it there);
     the group's own ranks run normally."""
+
     def fn(rank, world):
         sub = dist.new_group([0, 1])
         q, k, v = inputs(rank % 2, 2)
@@ -131,8 +152,16 @@ def test_verdict_is_cached_per_signature():
 
 
 def test_record_fields_are_compared_exactly():
-    opts = dict(layout="thd", backend="sdpa", causal=True, softmax_scale=None, dropout_p=0.0,
-                token_order="contiguous", overlap_chunks=1, degree=2)
+    opts = dict(
+        layout="thd",
+        backend="sdpa",
+        causal=True,
+        softmax_scale=None,
+        dropout_p=0.0,
+        token_order="contiguous",
+        overlap_chunks=1,
+        degree=2,
+    )
     t = torch.randn(8, H, D)
     a = validation.describe(t, t, t, cu_seqlens=torch.tensor([0, 1, 2, 3, 13, 16]), **opts)
     b = validation.describe(t, t, t, cu_seqlens=torch.tensor([0, 1, 2, 8, 9, 16]), **opts)

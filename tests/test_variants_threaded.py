@@ -22,16 +22,41 @@ from tests.test_attention_threaded import FP32_RTOL, rel_err
 from tests.test_hybrid_packed_threaded import hybrid_groups, shard
 
 
-def run_variant(U, C, S, b, hq, hk, d, dv, causal, *, window=None, sink=None, lse=False, layout="sbhd",
-                mask_shape=None, bias_shape=None, order=None, cu=None, dtype=torch.float32, tile=None,
-                monkeypatch=None, backend="sdpa"):
+def run_variant(
+    U,
+    C,
+    S,
+    b,
+    hq,
+    hk,
+    d,
+    dv,
+    causal,
+    *,
+    window=None,
+    sink=None,
+    lse=False,
+    layout="sbhd",
+    mask_shape=None,
+    bias_shape=None,
+    order=None,
+    cu=None,
+    dtype=torch.float32,
+    tile=None,
+    monkeypatch=None,
+    backend="sdpa",
+):
     """Max relative errors [out, dq, dk, dv, (lse), (d sink)] of a U x C world vs float64."""
     order = order or ("load_balanced" if C > 1 else "contiguous")
     thd = cu is not None
     cu = torch.tensor(cu) if thd else None
     g = torch.Generator().manual_seed(U * 1000 + C * 100 + hq * 10 + hk + dv)
     shp = (lambda h, e: (S, b, h, e)) if layout == "sbhd" else (lambda h, e: (b, S, h, e))
-    q, k, v = torch.randn(shp(hq, d), generator=g), torch.randn(shp(hk, d), generator=g), torch.randn(shp(hk, dv), generator=g)
+    q, k, v = (
+        torch.randn(shp(hq, d), generator=g),
+        torch.randn(shp(hk, d), generator=g),
+        torch.randn(shp(hk, dv), generator=g),
+    )
     dout = torch.randn(shp(hq, dv), generator=g)
     dlse = torch.randn(shp(hq, dv)[:-1], generator=g)
     offset = {"off-by-one": torch.zeros(hq), "learnable": torch.randn(hq, generator=g), None: None}[sink]
@@ -51,24 +76,53 @@ def run_variant(U, C, S, b, hq, hk, d, dv, causal, *, window=None, sink=None, ls
         qs, ks, vs = (shard(t, rank, world, order, sd).clone().requires_grad_() for t in (q, k, v))
         off = offset.clone().requires_grad_(sink == "learnable") if offset is not None else None
         res = ulysses_mcore.ulysses_attention(
-            qs, ks, vs, group=ug, ring_group=rg, causal=causal, layout="thd" if thd else layout, token_order=order,
-            window_size=window, softmax_offset=off, return_lse=lse, attention_mask=mask, attention_bias=bias,
-            cu_seqlens=cu, backend=backend)
+            qs,
+            ks,
+            vs,
+            group=ug,
+            ring_group=rg,
+            causal=causal,
+            layout="thd" if thd else layout,
+            token_order=order,
+            window_size=window,
+            softmax_offset=off,
+            return_lse=lse,
+            attention_mask=mask,
+            attention_bias=bias,
+            cu_seqlens=cu,
+            backend=backend,
+        )
         out, l_ = res if lse else (res, None)
         loss = (out.float() * shard(dout, rank, world, order, sd).float()).sum()
         if lse:
             loss = loss + (l_ * shard(dlse, rank, world, order, sd)).sum()
         loss.backward()
-        return (out.detach(), qs.grad, ks.grad, vs.grad, None if l_ is None else l_.detach(),
-                None if off is None else off.grad)
+        return (
+            out.detach(),
+            qs.grad,
+            ks.grad,
+            vs.grad,
+            None if l_ is None else l_.detach(),
+            None if off is None else off.grad,
+        )
 
     res = run_threaded(U * C, rank_fn)
     qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
     offr = offset.double().requires_grad_() if offset is not None else None
     m = mask if not thd else document_mask(cu, S)
     up = (lambda t: t.unsqueeze(1)) if thd else (lambda t: t)
-    ref = reference_attention(up(qr), up(kr), up(vr), causal=causal, layout=layout, attention_mask=m,
-                              attention_bias=bias, window_size=window, softmax_offset=offr, return_lse=True)
+    ref = reference_attention(
+        up(qr),
+        up(kr),
+        up(vr),
+        causal=causal,
+        layout=layout,
+        attention_mask=m,
+        attention_bias=bias,
+        window_size=window,
+        softmax_offset=offr,
+        return_lse=True,
+    )
     ro, rl = (ref[0].squeeze(1), ref[1].squeeze(1)) if thd else ref
     if m is not None:  # rows with no key at all: lse -inf on both sides, compared as 0
         rl = torch.where(torch.isinf(rl), torch.zeros_like(rl), rl)
@@ -107,16 +161,25 @@ CASES = [
     ("lse_u2xring2", (2, 2, 32, 2, 4, 2, 8, 8, True), {"lse": True}),
     ("lse_pure_ring4", (1, 4, 32, 1, 4, 2, 8, 8, True), {"lse": True}),
     ("lse_packed_thd_ring", (2, 2, 32, 1, 4, 2, 8, 8, True), {"lse": True, "cu": [0, 7, 9, 25, 32]}),
-    ("all_mla_window_sink_lse", (4, 1, 64, 1, 8, 2, 12, 8, True),
-     {"window": (10, 0), "sink": "learnable", "lse": True, "tile": 16}),
+    (
+        "all_mla_window_sink_lse",
+        (4, 1, 64, 1, 8, 2, 12, 8, True),
+        {"window": (10, 0), "sink": "learnable", "lse": True, "tile": 16},
+    ),
     ("all_u2xring2", (2, 2, 64, 1, 4, 2, 12, 8, True), {"window": (12, 0), "sink": "learnable", "lse": True}),
     ("mask_broadcast_rows", (2, 1, 16, 2, 4, 4, 8, 8, False), {"mask_shape": (2, 1, 1, 16)}),
     ("bias_broadcast_1x1x1xs_causal", (4, 1, 32, 2, 8, 2, 8, 8, True), {"bias_shape": (1, 1, 1, 32)}),
     ("bias_per_head_rows_broadcast", (2, 1, 16, 2, 4, 4, 8, 8, True), {"bias_shape": (1, 4, 1, 16)}),
-    ("bias_mask_broadcast_ring", (2, 2, 32, 2, 4, 2, 8, 8, True),
-     {"bias_shape": (2, 1, 1, 32), "mask_shape": (1, 1, 1, 32)}),
-    ("bias_broadcast_window_sink", (2, 1, 32, 2, 4, 4, 8, 8, True),
-     {"bias_shape": (1, 1, 1, 32), "window": (6, 0), "sink": "learnable", "tile": 8}),
+    (
+        "bias_mask_broadcast_ring",
+        (2, 2, 32, 2, 4, 2, 8, 8, True),
+        {"bias_shape": (2, 1, 1, 32), "mask_shape": (1, 1, 1, 32)},
+    ),
+    (
+        "bias_broadcast_window_sink",
+        (2, 1, 32, 2, 4, 4, 8, 8, True),
+        {"bias_shape": (1, 1, 1, 32), "window": (6, 0), "sink": "learnable", "tile": 8},
+    ),
 ]
 
 
@@ -129,8 +192,7 @@ def test_variant_matches_float64(case, monkeypatch):
 
 def test_variants_bf16():
     """bf16 inputs: the float32 lse crosses the bf16 all-to-all bit-cast into two columns, exactly."""
-    errs = run_variant(2, 1, 32, 2, 4, 2, 16, 8, True, window=(7, 0), sink="learnable", lse=True,
-                       dtype=torch.bfloat16)
+    errs = run_variant(2, 1, 32, 2, 4, 2, 16, 8, True, window=(7, 0), sink="learnable", lse=True, dtype=torch.bfloat16)
     assert max(errs) < 2e-2, errs
 
 
@@ -155,7 +217,11 @@ def test_variants_keep_two_all_to_alls_each_way(lse):
     output (the lse inside it), forward and backward."""
     g = torch.Generator().manual_seed(5)
     S, b, hq, hk = 32, 1, 4, 2
-    q, k, v = torch.randn(S, b, hq, 12, generator=g), torch.randn(S, b, hk, 12, generator=g), torch.randn(S, b, hk, 8, generator=g)
+    q, k, v = (
+        torch.randn(S, b, hq, 12, generator=g),
+        torch.randn(S, b, hk, 12, generator=g),
+        torch.randn(S, b, hk, 8, generator=g),
+    )
 
     def fn(rank, world):
         qs, ks, vs = (t.chunk(world)[rank].clone().requires_grad_() for t in (q, k, v))
@@ -183,8 +249,22 @@ def test_window_skips_tiles_outside_it():
     full = list(ring_mod._blocks(segs, segs, attention_window(True, None), 1.0, None, None, None))
     assert len(full) == 64 * 65 // 2
     # a ring skips whole ring shards beyond the window: C = 4, shards of 16 tokens, window 3
-    src_blocks = [len(list(ring_mod._blocks(ring_segments(2, 4, 64, "contiguous"), ring_segments(src, 4, 64, "contiguous"),
-                                            attention_window(True, (3, 0)), 1.0, None, None, None))) for src in range(4)]
+    src_blocks = [
+        len(
+            list(
+                ring_mod._blocks(
+                    ring_segments(2, 4, 64, "contiguous"),
+                    ring_segments(src, 4, 64, "contiguous"),
+                    attention_window(True, (3, 0)),
+                    1.0,
+                    None,
+                    None,
+                    None,
+                )
+            )
+        )
+        for src in range(4)
+    ]
     assert src_blocks == [0, 1, 1, 0]
 
 
@@ -199,17 +279,25 @@ def test_callable_gets_the_global_heads_it_holds():
 
     def kernel(q, k, v, *, causal, softmax_scale, heads):
         seen.append(heads)
-        out = ring_mod.ring_attention(q, k, v, group=None, causal=causal, softmax_scale=softmax_scale,
-                                      softmax_offset=model_sinks[heads[0]:heads[1]])
+        out = ring_mod.ring_attention(
+            q,
+            k,
+            v,
+            group=None,
+            causal=causal,
+            softmax_scale=softmax_scale,
+            softmax_offset=model_sinks[heads[0] : heads[1]],
+        )
         return out
 
     def fn(rank, world):
         qs, ks, vs = (t.chunk(world)[rank] for t in (q, k, v))
-        return ulysses_mcore.ulysses_attention(qs, ks, vs, group=dist.group.WORLD, causal=True, backend=kernel,
-                                               first_head=first)
+        return ulysses_mcore.ulysses_attention(
+            qs, ks, vs, group=dist.group.WORLD, causal=True, backend=kernel, first_head=first
+        )
 
     got = torch.cat(run_threaded(4, fn))
-    want = reference_attention(q, k, v, causal=True, softmax_offset=model_sinks[first:first + hq])
+    want = reference_attention(q, k, v, causal=True, softmax_offset=model_sinks[first : first + hq])
     assert rel_err(got, want) < FP32_RTOL
     assert sorted(seen) == [(7, 9), (9, 11), (11, 13), (13, 14)]
 
@@ -218,19 +306,36 @@ BAD = [
     ("window_not_pair", dict(window_size=(4,)), "window_size must be a pair (left, right)"),
     ("window_below_minus_one", dict(window_size=(-2, 0)), "ints >= -1"),
     ("offset_wrong_heads", dict(softmax_offset=torch.zeros(3)), "softmax_offset has 3 entries but query has 4 heads"),
-    ("offset_int", dict(softmax_offset=torch.zeros(4, dtype=torch.long)), "softmax_offset must be a 1-D floating-point"),
+    (
+        "offset_int",
+        dict(softmax_offset=torch.zeros(4, dtype=torch.long)),
+        "softmax_offset must be a 1-D floating-point",
+    ),
     ("lse_not_bool", dict(return_lse=1), "return_lse must be True or False"),
     ("flash_sink", dict(backend="flash", softmax_offset=torch.zeros(4)), None),  # flash not installed here
     ("dropout_with_window", dict(window_size=(3, 0), dropout_p=0.1), "does not combine with window_size"),
-    ("bias_grad_with_sink", dict(softmax_offset=torch.zeros(4), attention_bias=torch.zeros(1, 1, 1, 16, requires_grad=True)),
-     "treats the bias as a constant"),
-    ("callable_without_window", dict(window_size=(3, 0), backend=lambda q, k, v, *, causal, softmax_scale: q),
-     "does not take a 'window_size' keyword"),
+    (
+        "bias_grad_with_sink",
+        dict(softmax_offset=torch.zeros(4), attention_bias=torch.zeros(1, 1, 1, 16, requires_grad=True)),
+        "treats the bias as a constant",
+    ),
+    (
+        "callable_without_window",
+        dict(window_size=(3, 0), backend=lambda q, k, v, *, causal, softmax_scale: q),
+        "does not take a 'window_size' keyword",
+    ),
     ("qk_head_dims_differ", dict(key_dim=6), "query and key disagree in head dim"),
-    ("mask_bad_broadcast", dict(attention_mask=torch.zeros(2, 1, 3, 16, dtype=torch.bool)),
-     "[b or 1, heads or 1, 16 or 1, 16]"),
+    (
+        "mask_bad_broadcast",
+        dict(attention_mask=torch.zeros(2, 1, 3, 16, dtype=torch.bool)),
+        "[b or 1, heads or 1, 16 or 1, 16]",
+    ),
     ("ranks_disagree_in_window", dict(window_size=lambda r: (3 + r, 0)), "disagree in window_size"),
-    ("overlap_with_lse", dict(overlap_chunks=2, return_lse=True), "overlap_chunks=2 takes one head dim and no return_lse"),
+    (
+        "overlap_with_lse",
+        dict(overlap_chunks=2, return_lse=True),
+        "overlap_chunks=2 takes one head dim and no return_lse",
+    ),
 ]
 
 

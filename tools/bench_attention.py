@@ -88,8 +88,9 @@ def _timed(fn):
 
 
 def _worker(rank, world, port, args, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
     torch.set_num_threads(max(1, args.threads))
     import warnings
 
@@ -103,7 +104,7 @@ def _worker(rank, world, port, args, queue):
     from deepspeed.accelerator import get_accelerator
 
     shm = get_accelerator().create_op_builder("ShareMemCommBuilder")  # its all-reduce op: not used here,
-    if shm is not None:                                                # and a g++ build of minutes
+    if shm is not None:  # and a g++ build of minutes
         deepspeed.ops.__compatible_ops__[shm.NAME] = False
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     group = dist.group.WORLD
@@ -123,11 +124,19 @@ def _worker(rank, world, port, args, queue):
                 if impl == "ulysses_mcore":
                     out = ulysses_mcore.ulysses_attention(qs, ks, vs, group=group, causal=True, backend=kernel)
                 elif impl == "ulysses_nocheck":
-                    out = ulysses_mcore.ulysses_attention(qs, ks, vs, group=group, causal=True, backend=kernel,
-                                                          check=False)
+                    out = ulysses_mcore.ulysses_attention(
+                        qs, ks, vs, group=group, causal=True, backend=kernel, check=False
+                    )
                 elif impl.startswith("ulysses_c"):
-                    out = ulysses_mcore.ulysses_attention(qs, ks, vs, group=group, causal=True, backend=kernel,
-                                                          overlap_chunks=int(impl[len("ulysses_c"):]))
+                    out = ulysses_mcore.ulysses_attention(
+                        qs,
+                        ks,
+                        vs,
+                        group=group,
+                        causal=True,
+                        backend=kernel,
+                        overlap_chunks=int(impl[len("ulysses_c") :]),
+                    )
                 elif impl == "deepspeed":
                     out = ds(qs, ks, vs, 1)
                 else:
@@ -168,28 +177,37 @@ def _worker(rank, world, port, args, queue):
             elem = 4
             exchanged = 2 * (P - 1) / P * (qkv_send.numel() + out_send.numel()) * elem
             row = {
-                "kernel": kname, "seq": S, "world": P, "heads": H, "head_dim": D,
+                "kernel": kname,
+                "seq": S,
+                "world": P,
+                "heads": H,
+                "head_dim": D,
                 "ulysses_mcore_ms": med["ulysses_mcore"] * 1e3,
                 "ulysses_nocheck_ms": med["ulysses_nocheck"] * 1e3,
                 "deepspeed_ms": med["deepspeed"] * 1e3,
                 "allgather_ms": med.get("allgather", float("nan")) * 1e3,
-                "a2a_ms": med["a2a"] * 1e3, "kernel_ms": med["kernel"] * 1e3,
+                "a2a_ms": med["a2a"] * 1e3,
+                "kernel_ms": med["kernel"] * 1e3,
                 "floor_ms": (med["a2a"] + med["kernel"]) * 1e3,
                 "bytes_exchanged_per_rank": exchanged,
                 "a2a_bandwidth_GBps": exchanged / med["a2a"] / 1e9,
                 "ulysses_bandwidth_GBps": exchanged / max(med["ulysses_mcore"] - med["kernel"], 1e-9) / 1e9,
             }
-            row["overlap_ms"] = {1: row["ulysses_mcore_ms"], **{int(n[len("ulysses_c"):]): med[n] * 1e3
-                                                                  for n in med if n.startswith("ulysses_c")}}
+            row["overlap_ms"] = {
+                1: row["ulysses_mcore_ms"],
+                **{int(n[len("ulysses_c") :]): med[n] * 1e3 for n in med if n.startswith("ulysses_c")},
+            }
             row["ulysses_over_deepspeed"] = row["ulysses_mcore_ms"] / row["deepspeed_ms"]
             row["ulysses_over_floor"] = row["ulysses_mcore_ms"] / row["floor_ms"]
             row["deepspeed_over_floor"] = row["deepspeed_ms"] / row["floor_ms"]
             results.append(row)
             if rank == 0:
-                print(f"[{kname} S={S}] ulysses {row['ulysses_mcore_ms']:.1f} ms, deepspeed {row['deepspeed_ms']:.1f} ms, "
-                      f"floor {row['floor_ms']:.1f} ms (a2a {row['a2a_ms']:.1f} + kernel {row['kernel_ms']:.1f}); "
-                      f"ratio vs DS {row['ulysses_over_deepspeed']:.2f}, vs floor {row['ulysses_over_floor']:.2f}",
-                      flush=True)
+                print(
+                    f"[{kname} S={S}] ulysses {row['ulysses_mcore_ms']:.1f} ms, deepspeed {row['deepspeed_ms']:.1f} ms, "
+                    f"floor {row['floor_ms']:.1f} ms (a2a {row['a2a_ms']:.1f} + kernel {row['kernel_ms']:.1f}); "
+                    f"ratio vs DS {row['ulysses_over_deepspeed']:.2f}, vs floor {row['ulysses_over_floor']:.2f}",
+                    flush=True,
+                )
     if rank == 0:
         queue.put(results)
     dist.barrier()
@@ -201,23 +219,31 @@ def write_outputs(results, out_dir, world, note):
     base = os.path.join(out_dir, f"bench_attention_P{world}")
     with open(base + ".json", "w") as f:
         json.dump(results, f, indent=1)
-    lines = [f"Ulysses attention, gloo on CPU, P = {world}, fp32, {results[0]['heads']} heads of "
-             f"{results[0]['head_dim']}, batch 1, causal; forward+backward, median ms. {note}", "",
-             "| kernel | seq | ulysses_mcore | (no check) | DeepSpeed | all-gather | floor (a2a + kernel) | "
-             "ulysses / DeepSpeed | ulysses / floor | DeepSpeed / floor | MB exchanged / rank | a2a GB/s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Ulysses attention, gloo on CPU, P = {world}, fp32, {results[0]['heads']} heads of "
+        f"{results[0]['head_dim']}, batch 1, causal; forward+backward, median ms. {note}",
+        "",
+        "| kernel | seq | ulysses_mcore | (no check) | DeepSpeed | all-gather | floor (a2a + kernel) | "
+        "ulysses / DeepSpeed | ulysses / floor | DeepSpeed / floor | MB exchanged / rank | a2a GB/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         ag = "-" if r["allgather_ms"] != r["allgather_ms"] else f"{r['allgather_ms']:.1f}"
         lines.append(
             f"| {r['kernel']} | {r['seq']} | {r['ulysses_mcore_ms']:.1f} | {r['ulysses_nocheck_ms']:.1f} | "
             f"{r['deepspeed_ms']:.1f} | {ag} | {r['floor_ms']:.1f} ({r['a2a_ms']:.1f} + {r['kernel_ms']:.1f}) | "
             f"**{r['ulysses_over_deepspeed']:.2f}** | **{r['ulysses_over_floor']:.2f}** | {r['deepspeed_over_floor']:.2f} | "
-            f"{r['bytes_exchanged_per_rank'] / 1e6:.1f} | {r['a2a_bandwidth_GBps']:.2f} |")
+            f"{r['bytes_exchanged_per_rank'] / 1e6:.1f} | {r['a2a_bandwidth_GBps']:.2f} |"
+        )
     chunk_keys = sorted({c for r in results for c in r.get("overlap_ms", {})})
     if len(chunk_keys) > 1:
-        lines += ["", "Overlap (head chunks pipelined with async all-to-alls), fwd+bwd ms and gain vs 1 chunk:", "",
-                  "| kernel | seq | " + " | ".join(f"{c} chunk{'s' if c > 1 else ''}" for c in chunk_keys) + " |",
-                  "|---|---|" + "---|" * len(chunk_keys)]
+        lines += [
+            "",
+            "Overlap (head chunks pipelined with async all-to-alls), fwd+bwd ms and gain vs 1 chunk:",
+            "",
+            "| kernel | seq | " + " | ".join(f"{c} chunk{'s' if c > 1 else ''}" for c in chunk_keys) + " |",
+            "|---|---|" + "---|" * len(chunk_keys),
+        ]
         for r in results:
             o = {int(k): v for k, v in r["overlap_ms"].items()}
             cells = [f"{o[c]:.1f} ({o[1] / o[c]:.2f}x)" if c in o else "-" for c in chunk_keys]
@@ -235,13 +261,22 @@ def write_outputs(results, out_dir, world, note):
         for ax, kname in zip(axes[0], kernels):
             rows = [r for r in results if r["kernel"] == kname]
             S = [r["seq"] for r in rows]
-            for key, label in [("ulysses_mcore_ms", "ulysses_mcore"), ("deepspeed_ms", "DeepSpeed"),
-                               ("allgather_ms", "all-gather"), ("floor_ms", "floor")]:
+            for key, label in [
+                ("ulysses_mcore_ms", "ulysses_mcore"),
+                ("deepspeed_ms", "DeepSpeed"),
+                ("allgather_ms", "all-gather"),
+                ("floor_ms", "floor"),
+            ]:
                 vals = [r[key] for r in rows]
                 if all(v == v for v in vals):
                     ax.plot(S, vals, "o-" if key != "floor_ms" else "k--", label=label)
-            ax.set(xscale="log", yscale="log", xlabel="sequence length", ylabel="fwd+bwd ms",
-                   title=f"{kname} kernel, P={world} (gloo, CPU)")
+            ax.set(
+                xscale="log",
+                yscale="log",
+                xlabel="sequence length",
+                ylabel="fwd+bwd ms",
+                title=f"{kname} kernel, P={world} (gloo, CPU)",
+            )
             ax.grid(alpha=0.3)
             ax.legend()
         fig.tight_layout()
@@ -268,8 +303,10 @@ def main(argv=None):
     from _world import run_world
 
     if a.world > (os.cpu_count() or 1):
-        print(f"note: {a.world} ranks on {os.cpu_count()} cores: oversubscribed, times include contention",
-              file=sys.stderr)
+        print(
+            f"note: {a.world} ranks on {os.cpu_count()} cores: oversubscribed, times include contention",
+            file=sys.stderr,
+        )
     results = run_world(a.world, _worker, a)[0]
     note = f"{os.cpu_count()} CPU cores, {a.threads} torch thread(s) per rank, {a.repeats} repeats."
     base = write_outputs(results, a.out, a.world, note)

@@ -12,6 +12,7 @@
 Writes ``gpu_bench.json`` and ``gpu_bench.md`` into --out.  ``--device cpu`` runs the same
 code on the CPU (to check the script; numbers are not GPU numbers).
 """
+
 import argparse
 import json
 import os
@@ -72,8 +73,17 @@ def bench_copies(dev, S, dtype):
         buf = exchange._pack_qkv(q, k, v, plan)[0].clone()
         t_unpack = timeit(lambda: exchange._unpack_qkv_grad(buf, plan, S // P, 1, 128, 128, k.shape, v.shape), dev)
         nbytes = buf.numel() * buf.element_size()
-        rows.append({"P": P, "seq": S, "bytes": nbytes, "pack_ms": t_pack * 1e3, "unpack_ms": t_unpack * 1e3,
-                     "pack_GBps": 2 * nbytes / t_pack / 1e9, "unpack_GBps": 2 * nbytes / t_unpack / 1e9})
+        rows.append(
+            {
+                "P": P,
+                "seq": S,
+                "bytes": nbytes,
+                "pack_ms": t_pack * 1e3,
+                "unpack_ms": t_unpack * 1e3,
+                "pack_GBps": 2 * nbytes / t_pack / 1e9,
+                "unpack_GBps": 2 * nbytes / t_unpack / 1e9,
+            }
+        )
     return rows
 
 
@@ -93,8 +103,15 @@ def bench_memory(dev, seqs):
         dist.init_process_group("nccl", rank=0, world_size=1)
     ulysses_mcore.initialize(verbose=False)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
-    cfg = training.gpt_config(num_layers=4, hidden_size=2048, num_attention_heads=16, num_query_groups=4,
-                              ffn_hidden_size=8192, bf16=True, params_dtype=torch.bfloat16)
+    cfg = training.gpt_config(
+        num_layers=4,
+        hidden_size=2048,
+        num_attention_heads=16,
+        num_query_groups=4,
+        ffn_hidden_size=8192,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+    )
     model = training.build_gpt(cfg, vocab_size=32768, max_sequence_length=max(seqs)).cuda()
     rows = []
     for S in seqs:
@@ -102,8 +119,13 @@ def bench_memory(dev, seqs):
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         model(b["tokens"], b["position_ids"], None, labels=b["labels"]).sum().backward()
-        rows.append({"seq": S, "peak_gb": torch.cuda.max_memory_allocated() / 1e9,
-                     "peak_above_resident_gb": (torch.cuda.max_memory_allocated() - base) / 1e9})
+        rows.append(
+            {
+                "seq": S,
+                "peak_gb": torch.cuda.max_memory_allocated() / 1e9,
+                "peak_above_resident_gb": (torch.cuda.max_memory_allocated() - base) / 1e9,
+            }
+        )
         model.zero_grad_buffer()
     return rows
 
@@ -124,19 +146,31 @@ def main(argv=None):
     res["memory"] = bench_memory(dev, [2048, 4096] if a.quick else [8192, 32768, 65536])
     with open(os.path.join(a.out, "gpu_bench.json"), "w") as f:
         json.dump(res, f, indent=1)
-    lines = [f"# single-device benchmarks on {res['device']} (torch {res['torch']})", "", "| kernel | seq | ms fwd+bwd | TFLOP/s |",
-             "|---|---|---|---|"]
+    lines = [
+        f"# single-device benchmarks on {res['device']} (torch {res['torch']})",
+        "",
+        "| kernel | seq | ms fwd+bwd | TFLOP/s |",
+        "|---|---|---|---|",
+    ]
     for r in res["kernels"]:
-        lines.append(f"| {r['kernel']} | - | skipped: {r['skipped']} | |" if "skipped" in r else
-                     f"| {r['kernel']} | {r['seq']} | {r['ms']:.2f} | {r['tflops']:.1f} |")
+        lines.append(
+            f"| {r['kernel']} | - | skipped: {r['skipped']} | |"
+            if "skipped" in r
+            else f"| {r['kernel']} | {r['seq']} | {r['ms']:.2f} | {r['tflops']:.1f} |"
+        )
     lines += ["", "| P | seq | MB | pack ms (GB/s) | unpack ms (GB/s) |", "|---|---|---|---|---|"]
     for r in res["copies"]:
-        lines.append(f"| {r['P']} | {r['seq']} | {r['bytes'] / 1e6:.0f} | {r['pack_ms']:.2f} ({r['pack_GBps']:.0f}) | "
-                     f"{r['unpack_ms']:.2f} ({r['unpack_GBps']:.0f}) |")
+        lines.append(
+            f"| {r['P']} | {r['seq']} | {r['bytes'] / 1e6:.0f} | {r['pack_ms']:.2f} ({r['pack_GBps']:.0f}) | "
+            f"{r['unpack_ms']:.2f} ({r['unpack_GBps']:.0f}) |"
+        )
     lines += ["", "| seq | peak GB | above resident GB |", "|---|---|---|"]
     for r in res["memory"]:
-        lines.append(f"| - | skipped: {r['skipped']} | |" if "skipped" in r else
-                     f"| {r['seq']} | {r['peak_gb']:.2f} | {r['peak_above_resident_gb']:.2f} |")
+        lines.append(
+            f"| - | skipped: {r['skipped']} | |"
+            if "skipped" in r
+            else f"| {r['seq']} | {r['peak_gb']:.2f} | {r['peak_above_resident_gb']:.2f} |"
+        )
     with open(os.path.join(a.out, "gpu_bench.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -65,8 +65,11 @@ def _worker(rank, world, port, args, queue):
         results = []
         for S in args.seq:
             gen = torch.Generator().manual_seed(S)
-            full = [torch.randn(S, 1, h, args.head_dim, generator=gen) for h in (args.heads, args.kv_heads, args.kv_heads, args.heads)]
-            mine = [torch.cat([t[s:s + n] for s, n in ring_segments(rank, world, S, "load_balanced")]) for t in full]
+            full = [
+                torch.randn(S, 1, h, args.head_dim, generator=gen)
+                for h in (args.heads, args.kv_heads, args.kv_heads, args.heads)
+            ]
+            mine = [torch.cat([t[s : s + n] for s, n in ring_segments(rank, world, S, "load_balanced")]) for t in full]
             times = {k: [] for k in groups}
             for rep in range(args.repeats + 1):
                 for key, (ug, rg) in groups.items():
@@ -80,9 +83,17 @@ def _worker(rank, world, port, args, queue):
                         times[key].append(time.perf_counter() - t0)
             for (U, C), ts in times.items():
                 a2a, ring = sent_bytes(S, args.heads, args.kv_heads, args.head_dim, U, C)
-                results.append(dict(seq=S, ulysses=U, ring=C, ms=1e3 * statistics.median(ts),
-                                    a2a_mb=a2a / 1e6, ring_mb=ring / 1e6,
-                                    gflop=flops(S, args.heads, args.head_dim, world) / 1e9))
+                results.append(
+                    dict(
+                        seq=S,
+                        ulysses=U,
+                        ring=C,
+                        ms=1e3 * statistics.median(ts),
+                        a2a_mb=a2a / 1e6,
+                        ring_mb=ring / 1e6,
+                        gflop=flops(S, args.heads, args.head_dim, world) / 1e9,
+                    )
+                )
             if rank == 0:
                 print(f"seq {S}: done", flush=True)
         queue.put((rank, results))
@@ -105,13 +116,18 @@ def main(argv=None):
 
     res = dict(run_world(args.world, _worker, args))[0]
     base = {r["seq"]: r["ms"] for r in res if r["ring"] == 1}
-    lines = [f"# Ulysses x ring on {args.world} gloo ranks (1 thread each), causal, fp32, "
-             f"{args.heads} q / {args.kv_heads} kv heads of {args.head_dim}; fwd+bwd median of {args.repeats}", "",
-             "| seq | ulysses x ring | ms | vs pure Ulysses | a2a MB sent / rank | ring MB sent / rank | attention GFLOP / rank |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Ulysses x ring on {args.world} gloo ranks (1 thread each), causal, fp32, "
+        f"{args.heads} q / {args.kv_heads} kv heads of {args.head_dim}; fwd+bwd median of {args.repeats}",
+        "",
+        "| seq | ulysses x ring | ms | vs pure Ulysses | a2a MB sent / rank | ring MB sent / rank | attention GFLOP / rank |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in res:
-        lines.append(f"| {r['seq']} | {r['ulysses']} x {r['ring']} | {r['ms']:.1f} | {r['ms'] / base[r['seq']]:.2f} | "
-                     f"{r['a2a_mb']:.1f} | {r['ring_mb']:.1f} | {r['gflop']:.2f} |")
+        lines.append(
+            f"| {r['seq']} | {r['ulysses']} x {r['ring']} | {r['ms']:.1f} | {r['ms'] / base[r['seq']]:.2f} | "
+            f"{r['a2a_mb']:.1f} | {r['ring_mb']:.1f} | {r['gflop']:.2f} |"
+        )
     text = "\n".join(lines) + "\n"
     print(text)
     os.makedirs(args.out, exist_ok=True)

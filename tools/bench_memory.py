@@ -73,8 +73,17 @@ def _worker(rank, world, port, seqs, ring, queue):
             loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]).sum()
         act = sum(seen.values())
         loss.backward()
-        rows.append({"seq": S, "degree": world, "ulysses": world // ring, "cp": ring, "activations_bytes": act, "weights_bytes": w_bytes,
-                     "grads_bytes": g_bytes})
+        rows.append(
+            {
+                "seq": S,
+                "degree": world,
+                "ulysses": world // ring,
+                "cp": ring,
+                "activations_bytes": act,
+                "weights_bytes": w_bytes,
+                "grads_bytes": g_bytes,
+            }
+        )
     if rank == 0:
         queue.put(rows)
     dist.barrier()
@@ -115,18 +124,28 @@ def main(argv=None):
     base = os.path.join(a.out, "bench_memory")
     with open(base + ".json", "w") as f:
         json.dump({"rows": rows, "longest_sequence": fits, "model": MODEL, "vocab": VOCAB}, f, indent=1)
-    lines = [f"GPTModel {MODEL}, vocab {VOCAB}, fp32, batch 1, local spec + Ulysses SDPA, gloo on CPU; "
-             "per-rank bytes saved for backward (exact, unique storages), weights "
-             f"{rows[0]['weights_bytes'] / 1e6:.1f} MB + grads {rows[0]['grads_bytes'] / 1e6:.1f} MB per rank at every degree.", "",
-             "| seq | ulysses x cp | activations / rank (MB) | reduction vs 1 rank | / (ulysses x cp) | plan (MB) | plan error |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"GPTModel {MODEL}, vocab {VOCAB}, fp32, batch 1, local spec + Ulysses SDPA, gloo on CPU; "
+        "per-rank bytes saved for backward (exact, unique storages), weights "
+        f"{rows[0]['weights_bytes'] / 1e6:.1f} MB + grads {rows[0]['grads_bytes'] / 1e6:.1f} MB per rank at every degree.",
+        "",
+        "| seq | ulysses x cp | activations / rank (MB) | reduction vs 1 rank | / (ulysses x cp) | plan (MB) | plan error |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in sorted(rows, key=lambda r: (r["seq"], r["degree"], -r["ulysses"])):
         red = r.get("reduction")
-        lines.append(f"| {r['seq']} | {r['ulysses']} x {r['cp']} | {r['activations_bytes'] / 1e6:.1f} | "
-                     f"{red:.2f} | {red / r['degree']:.3f} | {r['plan_activations_bytes'] / 1e6:.1f} | "
-                     f"{100 * r['plan_error']:+.1f}% |" if red else "")
-    lines += ["", f"Longest sequence in {a.budget_gb} GB per rank (plan: weights + grads + Adam + activations): "
-              + ", ".join(f"ulysses {P}: {s}" for P, s in fits.items())]
+        lines.append(
+            f"| {r['seq']} | {r['ulysses']} x {r['cp']} | {r['activations_bytes'] / 1e6:.1f} | "
+            f"{red:.2f} | {red / r['degree']:.3f} | {r['plan_activations_bytes'] / 1e6:.1f} | "
+            f"{100 * r['plan_error']:+.1f}% |"
+            if red
+            else ""
+        )
+    lines += [
+        "",
+        f"Longest sequence in {a.budget_gb} GB per rank (plan: weights + grads + Adam + activations): "
+        + ", ".join(f"ulysses {P}: {s}" for P, s in fits.items()),
+    ]
     with open(base + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     try:
@@ -138,11 +157,20 @@ def main(argv=None):
         fig, ax = plt.subplots(figsize=(6.5, 4))
         for U, C in splits:
             rs = sorted((r for r in rows if (r["ulysses"], r["cp"]) == (U, C)), key=lambda r: r["seq"])
-            ax.plot([r["seq"] for r in rs], [r["activations_bytes"] / 1e6 for r in rs], "o-" if C == 1 else "s--",
-                    label=f"ulysses {U}" + (f" x cp {C}" if C > 1 else ""))
+            ax.plot(
+                [r["seq"] for r in rs],
+                [r["activations_bytes"] / 1e6 for r in rs],
+                "o-" if C == 1 else "s--",
+                label=f"ulysses {U}" + (f" x cp {C}" if C > 1 else ""),
+            )
             ax.plot([r["seq"] for r in rs], [r["plan_activations_bytes"] / 1e6 for r in rs], "x:", color="gray")
-        ax.set(xscale="log", yscale="log", xlabel="sequence length", ylabel="activation MB per rank",
-               title="activation memory per rank (x: plan.py)")
+        ax.set(
+            xscale="log",
+            yscale="log",
+            xlabel="sequence length",
+            ylabel="activation MB per rank",
+            title="activation memory per rank (x: plan.py)",
+        )
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()

@@ -56,8 +56,9 @@ def _deepspeed(group):
     if shm is not None:
         deepspeed.ops.__compatible_ops__[shm.NAME] = False
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
-    return DistributedAttention(lambda a, b, c, *_: sdpa_plain(a, b, c, causal=True), group,
-                                scatter_idx=2, gather_idx=0)
+    return DistributedAttention(
+        lambda a, b, c, *_: sdpa_plain(a, b, c, causal=True), group, scatter_idx=2, gather_idx=0
+    )
 
 
 def _tasks(world, group):
@@ -111,8 +112,9 @@ def _world(rank, world, port, calls, queue):
     import torch.distributed as dist
 
     warnings.filterwarnings("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
     tasks = _tasks(world, dist.group.WORLD)
@@ -142,8 +144,12 @@ def _row(r):
 
 def _summary(rows, degrees):
     cols = ("ulysses_fwd_over_us", "ulysses_bwd_over_us", "deepspeed_fwd_over_us", "deepspeed_bwd_over_us")
-    lines = ["| P | " + " | ".join(c.replace("_over_us", "").replace("_", " ") + " (min / median / max us)"
-                                   for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    lines = [
+        "| P | "
+        + " | ".join(c.replace("_over_us", "").replace("_", " ") + " (min / median / max us)" for c in cols)
+        + " |",
+        "|---" * (len(cols) + 1) + "|",
+    ]
     for P in degrees:
         mine = [r for r in rows if r["P"] == P]
         cells = []
@@ -168,10 +174,13 @@ def main(argv=None):
             (r,) = run_world(P, _world, a.calls, what=f"the overhead benchmark at P={P}")
             r = _row(dict(r, run=run))
             rows.append(r)
-            print(f"[run {run}/{a.runs}] P={P}: floor {r['floor_fwd_us']:.0f} us fwd, {r['floor_fwd_bwd_us']:.0f} us "
-                  f"fwd+bwd | overhead beyond it: ulysses {r['ulysses_fwd_over_us']:.0f} fwd + "
-                  f"{r['ulysses_bwd_over_us']:.0f} bwd, DeepSpeed {r['deepspeed_fwd_over_us']:.0f} fwd + "
-                  f"{r['deepspeed_bwd_over_us']:.0f} bwd", flush=True)
+            print(
+                f"[run {run}/{a.runs}] P={P}: floor {r['floor_fwd_us']:.0f} us fwd, {r['floor_fwd_bwd_us']:.0f} us "
+                f"fwd+bwd | overhead beyond it: ulysses {r['ulysses_fwd_over_us']:.0f} fwd + "
+                f"{r['ulysses_bwd_over_us']:.0f} bwd, DeepSpeed {r['deepspeed_fwd_over_us']:.0f} fwd + "
+                f"{r['deepspeed_bwd_over_us']:.0f} bwd",
+                flush=True,
+            )
     print()
     print(_summary(rows, degrees))
     if a.json:

@@ -69,8 +69,9 @@ def _worker(rank, world, port, S, feature, recompute, queue):
     tensor_parallel.model_parallel_cuda_manual_seed(0)
     extra = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute else {}
     cfg = training.gpt_config(**MODEL, **extra)
-    model = training.build_gpt(cfg, vocab_size=VOCAB, max_sequence_length=S,
-                               layer_spec=get_ulysses_layer_spec(mlp_chunk_tokens=mlp_chunk))
+    model = training.build_gpt(
+        cfg, vocab_size=VOCAB, max_sequence_length=S, layer_spec=get_ulysses_layer_spec(mlp_chunk_tokens=mlp_chunk)
+    )
     if loss_chunk:
         enable_chunked_loss(model.module, loss_chunk)
     opt = training.build_optimizer(model, lr=1e-4)
@@ -95,10 +96,17 @@ def measure(P, S, feature, recompute):
     from _world import run_world
 
     res = run_world(P, _worker, S, feature, recompute, what=f"a rank at ulysses {P}, seq {S}, {feature}")
-    return {"degree": P, "seq": S, "feature": feature, "recompute": recompute,
-            "peak": max(r["peak"] for r in res), "transient": max(r["peak"] - r["before"] for r in res),
-            "before": max(r["before"] for r in res), "seconds": max(r["seconds"] for r in res),
-            "loss": res[0]["loss"]}
+    return {
+        "degree": P,
+        "seq": S,
+        "feature": feature,
+        "recompute": recompute,
+        "peak": max(r["peak"] for r in res),
+        "transient": max(r["peak"] - r["before"] for r in res),
+        "before": max(r["before"] for r in res),
+        "seconds": max(r["seconds"] for r in res),
+        "loss": res[0]["loss"],
+    }
 
 
 def with_plan(rows, budget, degrees):
@@ -108,8 +116,14 @@ def with_plan(rows, budget, degrees):
 
     def kw(feature, recompute):
         lc, mc = FEATURES[feature]
-        return dict(vocab_size=VOCAB, loss_chunk_tokens=lc, mlp_chunk_tokens=mc, torch_adam=True,
-                    recompute="full" if recompute else None, **MODEL)
+        return dict(
+            vocab_size=VOCAB,
+            loss_chunk_tokens=lc,
+            mlp_chunk_tokens=mc,
+            torch_adam=True,
+            recompute="full" if recompute else None,
+            **MODEL,
+        )
 
     states = {}
     for r in rows:
@@ -124,7 +138,8 @@ def with_plan(rows, budget, degrees):
     for P in degrees:
         for feature, rc in [("off", False), ("both", False), ("both", True)]:
             name = f"ulysses {P}, {'both features' if feature == 'both' else 'no features'}" + (
-                " + full recompute" if rc else "")
+                " + full recompute" if rc else ""
+            )
             fits[name] = longest_sequence(budget, 2 * P, ulysses=P, runtime_bytes=runtime, **kw(feature, rc))
     return runtime, fits
 
@@ -156,33 +171,59 @@ def main(argv=None):
     for i, (P, S, f, rc) in enumerate(points, 1):
         rows.append(measure(P, S, f, rc))
         r = rows[-1]
-        print(f"[{i}/{len(points)} {time.time() - t0:.0f}s] ulysses {P} seq {S} {f}{' +recompute' if rc else ''}: "
-              f"peak {r['peak'] / 1e9:.3f} GB, transient {r['transient'] / 1e9:.3f} GB, step {r['seconds']:.2f} s",
-              file=sys.stderr, flush=True)
+        print(
+            f"[{i}/{len(points)} {time.time() - t0:.0f}s] ulysses {P} seq {S} {f}{' +recompute' if rc else ''}: "
+            f"peak {r['peak'] / 1e9:.3f} GB, transient {r['transient'] / 1e9:.3f} GB, step {r['seconds']:.2f} s",
+            file=sys.stderr,
+            flush=True,
+        )
     budget = a.budget_gb * 1e9
     runtime, fits = with_plan(rows, budget, degrees)
     os.makedirs(a.out, exist_ok=True)
     base = os.path.join(a.out, "bench_step_memory")
     with open(base + ".json", "w") as fh:
-        json.dump({"rows": rows, "longest_sequence": fits, "model": MODEL, "vocab": VOCAB, "runtime_bytes": runtime,
-                   "chunks": FEATURES, "budget_gb": a.budget_gb}, fh, indent=1)
-    lines = [f"GPTModel {MODEL}, vocab {VOCAB}, fp32, batch 1, Adam, gloo on CPU; per-rank whole-step peak "
-             "(VmHWM of a fresh process over one steady-state step) and transient (peak minus the resident set "
-             f"before the step). loss: --loss-chunk-tokens {CHUNK}; mlp: --mlp-chunk-tokens {CHUNK}.", "",
-             "| ulysses | seq | features | peak (GB) | transient (GB) | transient vs off | step (s) | step vs off | "
-             "plan peak (GB) | plan error |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+        json.dump(
+            {
+                "rows": rows,
+                "longest_sequence": fits,
+                "model": MODEL,
+                "vocab": VOCAB,
+                "runtime_bytes": runtime,
+                "chunks": FEATURES,
+                "budget_gb": a.budget_gb,
+            },
+            fh,
+            indent=1,
+        )
+    lines = [
+        f"GPTModel {MODEL}, vocab {VOCAB}, fp32, batch 1, Adam, gloo on CPU; per-rank whole-step peak "
+        "(VmHWM of a fresh process over one steady-state step) and transient (peak minus the resident set "
+        f"before the step). loss: --loss-chunk-tokens {CHUNK}; mlp: --mlp-chunk-tokens {CHUNK}.",
+        "",
+        "| ulysses | seq | features | peak (GB) | transient (GB) | transient vs off | step (s) | step vs off | "
+        "plan peak (GB) | plan error |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     off = {(r["degree"], r["seq"]): r for r in rows if r["feature"] == "off" and not r["recompute"]}
     for r in rows:
         o = off.get((r["degree"], r["seq"]))
         name = r["feature"] + (" + recompute" if r["recompute"] else "")
-        lines.append(f"| {r['degree']} | {r['seq']} | {name} | {r['peak'] / 1e9:.3f} | {r['transient'] / 1e9:.3f} | "
-                     f"{r['transient'] / o['transient']:.2f} | {r['seconds']:.2f} | {r['seconds'] / o['seconds']:.2f} | "
-                     f"{r['plan_peak'] / 1e9:.3f} | {100 * r['plan_error']:+.1f}% |" if o else "")
+        lines.append(
+            f"| {r['degree']} | {r['seq']} | {name} | {r['peak'] / 1e9:.3f} | {r['transient'] / 1e9:.3f} | "
+            f"{r['transient'] / o['transient']:.2f} | {r['seconds']:.2f} | {r['seconds'] / o['seconds']:.2f} | "
+            f"{r['plan_peak'] / 1e9:.3f} | {100 * r['plan_error']:+.1f}% |"
+            if o
+            else ""
+        )
     worst = max(abs(r["plan_error"]) for r in rows)
-    lines += ["", f"tools/plan.py (constants fitted to these points, runtime {runtime / 1e9:.3f} GB: the interpreter "
-              f"and libraries) predicts every measured peak within {100 * worst:.1f}%.", "",
-              f"Longest sequence whose whole-step peak fits {a.budget_gb:g} GB per rank (tools/plan.py):", ""]
+    lines += [
+        "",
+        f"tools/plan.py (constants fitted to these points, runtime {runtime / 1e9:.3f} GB: the interpreter "
+        f"and libraries) predicts every measured peak within {100 * worst:.1f}%.",
+        "",
+        f"Longest sequence whose whole-step peak fits {a.budget_gb:g} GB per rank (tools/plan.py):",
+        "",
+    ]
     lines += [f"- {k}: {v}" for k, v in fits.items()]
     with open(base + ".md", "w") as fh:
         fh.write("\n".join(lines) + "\n")
@@ -195,18 +236,30 @@ def main(argv=None):
         fig, ax = plt.subplots(figsize=(7, 4.5))
         styles = {"off": "o-", "loss": "s--", "mlp": "^--", "both": "D-"}
         singles = [r for r in rows if r["feature"] not in features and not r["recompute"]]
-        colors = {P: c for P, c in zip(degrees, ["tab:blue", "tab:orange", "tab:green", "tab:red"])}
+        colors = dict(zip(degrees, ["tab:blue", "tab:orange", "tab:green", "tab:red"]))
         for P in degrees:
             for f, rc in [(f, False) for f in features] + [("both", True)]:
-                rs = sorted((r for r in rows if (r["degree"], r["feature"], r["recompute"]) == (P, f, rc)),
-                            key=lambda r: r["seq"])
-                ax.plot([r["seq"] for r in rs], [r["peak"] / 1e9 for r in rs], ":" if rc else styles[f],
-                        color=colors[P], label=f"U{P} {f}{' +rc' if rc else ''}", alpha=0.9)
+                rs = sorted(
+                    (r for r in rows if (r["degree"], r["feature"], r["recompute"]) == (P, f, rc)),
+                    key=lambda r: r["seq"],
+                )
+                ax.plot(
+                    [r["seq"] for r in rs],
+                    [r["peak"] / 1e9 for r in rs],
+                    ":" if rc else styles[f],
+                    color=colors[P],
+                    label=f"U{P} {f}{' +rc' if rc else ''}",
+                    alpha=0.9,
+                )
         for r in singles:
             ax.plot([r["seq"]], [r["peak"] / 1e9], styles[r["feature"]][0], color=colors[r["degree"]], mfc="none")
         ax.axhline(a.budget_gb, color="gray", lw=0.8)
-        ax.set(xscale="log", xlabel="sequence length", ylabel="whole-step peak GB per rank",
-               title="whole-step peak memory per rank (open markers: one feature alone)")
+        ax.set(
+            xscale="log",
+            xlabel="sequence length",
+            ylabel="whole-step peak GB per rank",
+            title="whole-step peak memory per rank (open markers: one feature alone)",
+        )
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, ncol=3)
         fig.tight_layout()

@@ -12,6 +12,7 @@ after the first two.  FLOPs per token, Megatron-style (forward+backward = 3x for
 with N_dense the transformer-layer parameters, V the padded vocabulary, h the hidden size,
 L the layers and s the sequence length.
 """
+
 import argparse
 import csv
 import json
@@ -38,12 +39,38 @@ def run(nproc, threads, seq, iters, gbs):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     d = tempfile.mkdtemp(prefix="tput_")
-    cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc-per-node", str(nproc),
-           "--master-port", str(port), os.path.join(ROOT, "examples", "pretrain_gpt.py"),
-           "--ulysses-degree", str(nproc), "--num-layers", str(MODEL["layers"]), "--hidden-size", str(MODEL["hidden"]),
-           "--num-attention-heads", str(MODEL["heads"]), "--num-query-groups", str(MODEL["groups"]),
-           "--ffn-hidden-size", str(MODEL["ffn"]), "--seq-length", str(seq), "--micro-batch-size", "1",
-           "--global-batch-size", str(gbs), "--train-iters", str(iters), "--lr-warmup-iters", "1", "--log-dir", d]
+    cmd = [
+        os.path.join(os.path.dirname(sys.executable), "torchrun"),
+        "--nproc-per-node",
+        str(nproc),
+        "--master-port",
+        str(port),
+        os.path.join(ROOT, "examples", "pretrain_gpt.py"),
+        "--ulysses-degree",
+        str(nproc),
+        "--num-layers",
+        str(MODEL["layers"]),
+        "--hidden-size",
+        str(MODEL["hidden"]),
+        "--num-attention-heads",
+        str(MODEL["heads"]),
+        "--num-query-groups",
+        str(MODEL["groups"]),
+        "--ffn-hidden-size",
+        str(MODEL["ffn"]),
+        "--seq-length",
+        str(seq),
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        str(gbs),
+        "--train-iters",
+        str(iters),
+        "--lr-warmup-iters",
+        "1",
+        "--log-dir",
+        d,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore")
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=d)
     if r.returncode:
@@ -65,21 +92,28 @@ def main(argv=None):
         for u, threads in ((1, 2), (2, 1)):
             print(f"seq {s}, ulysses {u} ...", file=sys.stderr, flush=True)
             tps = run(u, threads, s, a.iters, a.global_batch_size)
-            rows.append({"seq": s, "ulysses": u, "tokens_per_second": tps,
-                         "gflops_per_second": tps * flops_per_token(s) / 1e9})
+            rows.append(
+                {"seq": s, "ulysses": u, "tokens_per_second": tps, "gflops_per_second": tps * flops_per_token(s) / 1e9}
+            )
     os.makedirs(a.out, exist_ok=True)
     base = os.path.join(a.out, "bench_throughput")
     with open(base + ".json", "w") as f:
         json.dump({"model": MODEL, "rows": rows}, f, indent=1)
-    lines = [f"examples/pretrain_gpt.py, model {MODEL}, fp32, global batch {a.global_batch_size}, 2 CPU cores "
-             "(ulysses 1: 1 rank x 2 threads; ulysses 2: 2 ranks x 1 thread); median tokens/s after 2 warm-up iterations.",
-             "", "| seq | ulysses 1 tokens/s | GFLOP/s | ulysses 2 tokens/s | GFLOP/s | u2 / u1 |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"examples/pretrain_gpt.py, model {MODEL}, fp32, global batch {a.global_batch_size}, 2 CPU cores "
+        "(ulysses 1: 1 rank x 2 threads; ulysses 2: 2 ranks x 1 thread); median tokens/s after 2 warm-up iterations.",
+        "",
+        "| seq | ulysses 1 tokens/s | GFLOP/s | ulysses 2 tokens/s | GFLOP/s | u2 / u1 |",
+        "|---|---|---|---|---|---|",
+    ]
     for s in sorted({r["seq"] for r in rows}):
         r1 = next(r for r in rows if r["seq"] == s and r["ulysses"] == 1)
         r2 = next(r for r in rows if r["seq"] == s and r["ulysses"] == 2)
-        lines.append(f"| {s} | {r1['tokens_per_second']:.0f} | {r1['gflops_per_second']:.2f} | "
-                     f"{r2['tokens_per_second']:.0f} | {r2['gflops_per_second']:.2f} | "
-                     f"{r2['tokens_per_second'] / r1['tokens_per_second']:.2f} |")
+        lines.append(
+            f"| {s} | {r1['tokens_per_second']:.0f} | {r1['gflops_per_second']:.2f} | "
+            f"{r2['tokens_per_second']:.0f} | {r2['gflops_per_second']:.2f} | "
+            f"{r2['tokens_per_second'] / r1['tokens_per_second']:.2f} |"
+        )
     with open(base + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

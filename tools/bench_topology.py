@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Time the pure group enumeration at large world sizes (default 131072 ranks).
 
-    python tools/bench_topology.py [--world-size 131072]
+python tools/bench_topology.py [--world-size 131072]
 """
+
 import argparse
 import os
 import sys

@@ -43,8 +43,11 @@ def _inputs(S, dv, seed=0, b=1, h=HEADS, d=DIM):
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(S, b, h, d, generator=g), torch.randn(S, b, h, d, generator=g),
-            torch.randn(S, b, h, dv, generator=g))
+    return (
+        torch.randn(S, b, h, d, generator=g),
+        torch.randn(S, b, h, d, generator=g),
+        torch.randn(S, b, h, dv, generator=g),
+    )
 
 
 def _call_kwargs(opts, S, h):
@@ -128,9 +131,17 @@ def error_of(name, S=1024, P=2):
     qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
     offr = off.detach().double().requires_grad_(off.requires_grad) if off is not None else None
     window = opts.get("window")
-    ref = reference_attention(qr, kr, vr, causal=kw["causal"], attention_mask=kw.get("attention_mask"),
-                              attention_bias=kw.get("attention_bias"), window_size=window, softmax_offset=offr,
-                              return_lse=True)
+    ref = reference_attention(
+        qr,
+        kr,
+        vr,
+        causal=kw["causal"],
+        attention_mask=kw.get("attention_mask"),
+        attention_bias=kw.get("attention_bias"),
+        window_size=window,
+        softmax_offset=offr,
+        return_lse=True,
+    )
     (ref[0].sum() + (ref[1].sum() if opts.get("lse") else 0)).backward()
     rel = lambda a, b: ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()  # noqa: E731
     errs = [rel(torch.cat([r[i] for r in res]), w) for i, w in enumerate([ref[0], qr.grad, kr.grad, vr.grad])]
@@ -159,24 +170,36 @@ def main():
             if name == "window as [s, s] mask" and S > 16384:
                 mem[S] = None  # the [s, s] mask and its float scores: several GB, skipped
                 continue
-            out = subprocess.run([sys.executable, __file__, "--child", name, str(S)], capture_output=True, text=True,
-                                 env=dict(os.environ, OMP_NUM_THREADS="1"))
+            out = subprocess.run(
+                [sys.executable, __file__, "--child", name, str(S)],
+                capture_output=True,
+                text=True,
+                env=dict(os.environ, OMP_NUM_THREADS="1"),
+            )
             if out.returncode:
                 raise SystemExit(f"{name} at s={S} failed:\n{out.stderr[-2000:]}")
             mem[S] = json.loads(out.stdout.strip().splitlines()[-1])
-            print(f"[bench_variants] {name:>24} s={S:>6}: peak {mem[S]['peak_mb']:8.1f} MB, "
-                  f"{mem[S]['seconds']:.2f} s fwd+bwd", flush=True)
+            print(
+                f"[bench_variants] {name:>24} s={S:>6}: peak {mem[S]['peak_mb']:8.1f} MB, "
+                f"{mem[S]['seconds']:.2f} s fwd+bwd",
+                flush=True,
+            )
         rows.append({"variant": name, "max_rel_err_s1024_u2": err, "memory": mem})
         print(f"[bench_variants] {name:>24}: max rel error vs float64 (s=1024, ulysses 2) {err:.1e}", flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"heads_per_rank": HEADS, "head_dim": DIM, "window": WINDOW, "rows": rows}, f, indent=1)
-    print("\n| variant | max rel error (s=1024, ulysses 2, fwd+bwd) | " +
-          " | ".join(f"peak MB / s fwd+bwd at s={S}" for S in a.seqs) + " |")
+    print(
+        "\n| variant | max rel error (s=1024, ulysses 2, fwd+bwd) | "
+        + " | ".join(f"peak MB / s fwd+bwd at s={S}" for S in a.seqs)
+        + " |"
+    )
     print("|---|---|" + "---|" * len(a.seqs))
     for r in rows:
-        cells = [("--" if r["memory"][S] is None else f"{r['memory'][S]['peak_mb']:.0f} / {r['memory'][S]['seconds']:.1f}")
-                 for S in a.seqs]
+        cells = [
+            ("--" if r["memory"][S] is None else f"{r['memory'][S]['peak_mb']:.0f} / {r['memory'][S]['seconds']:.1f}")
+            for S in a.seqs
+        ]
         print(f"| {r['variant']} | {r['max_rel_err_s1024_u2']:.1e} | " + " | ".join(cells) + " |")
     if a.plot:
         import matplotlib

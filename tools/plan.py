@@ -36,16 +36,36 @@ import sys
 
 
 # fitted to tools/bench_step_memory.py (docs/perf/bench_step_memory.json); see docs/memory.md
-K_LOGITS = 1.0      # fp32 logits-sized buffers alive at the step's peak
-K_MLP_CHUNK = 2.0   # tiled MLP: one chunk's intermediates and their gradients during its backward
+K_LOGITS = 1.0  # fp32 logits-sized buffers alive at the step's peak
+K_MLP_CHUNK = 2.0  # tiled MLP: one chunk's intermediates and their gradients during its backward
 K_OPT_TORCH = 1.75  # fp32 parameter-sized temporaries of torch's foreach Adam (CPU, or no TE / Apex); fused: ~0
 K_VOCAB_GRAD = 1.0  # a vocabulary-sized weight's gradient [V/tp, h], fp32, before it joins the DDP buffer
 
 
-def estimate(*, num_layers, hidden_size, num_attention_heads, num_query_groups=None, ffn_hidden_size=None,
-             vocab_size=50304, seq_length=4096, micro_batch_size=1, tp=1, ulysses=1, cp=1, pp=1,
-             bf16=False, recompute=None, swiglu=False, distributed_optimizer=False, dp=1,
-             loss_chunk_tokens=None, mlp_chunk_tokens=None, runtime_bytes=0, torch_adam=False):
+def estimate(
+    *,
+    num_layers,
+    hidden_size,
+    num_attention_heads,
+    num_query_groups=None,
+    ffn_hidden_size=None,
+    vocab_size=50304,
+    seq_length=4096,
+    micro_batch_size=1,
+    tp=1,
+    ulysses=1,
+    cp=1,
+    pp=1,
+    bf16=False,
+    recompute=None,
+    swiglu=False,
+    distributed_optimizer=False,
+    dp=1,
+    loss_chunk_tokens=None,
+    mlp_chunk_tokens=None,
+    runtime_bytes=0,
+    torch_adam=False,
+):
     g = num_query_groups or num_attention_heads
     ffn = ffn_hidden_size or 4 * hidden_size
     d = hidden_size // num_attention_heads
@@ -56,11 +76,17 @@ def estimate(*, num_layers, hidden_size, num_attention_heads, num_query_groups=N
     hq, hk = num_attention_heads // tp, g // tp  # heads per tensor-parallel rank
     qkv_width = (hq + 2 * hk) * d
     # ---- parameters (per tp/pp rank)
-    per_layer = (hidden_size * (num_attention_heads + 2 * g) * d + (num_attention_heads + 2 * g) * d  # qkv
-                 + num_attention_heads * d * hidden_size + hidden_size                               # proj
-                 + hidden_size * ffn * (2 if swiglu else 1) + ffn * (2 if swiglu else 1)              # fc1
-                 + ffn * hidden_size + hidden_size                                                   # fc2
-                 + 4 * hidden_size)                                                                  # 2 norms
+    per_layer = (
+        hidden_size * (num_attention_heads + 2 * g) * d
+        + (num_attention_heads + 2 * g) * d  # qkv
+        + num_attention_heads * d * hidden_size
+        + hidden_size  # proj
+        + hidden_size * ffn * (2 if swiglu else 1)
+        + ffn * (2 if swiglu else 1)  # fc1
+        + ffn * hidden_size
+        + hidden_size  # fc2
+        + 4 * hidden_size
+    )  # 2 norms
     params = L * per_layer / tp + (vocab_size * hidden_size * 2 / tp) / max(pp, 1) + 2 * hidden_size
     w_bytes = params * (2 if bf16 else 4)
     g_bytes = params * 4
@@ -71,14 +97,14 @@ def estimate(*, num_layers, hidden_size, num_attention_heads, num_query_groups=N
     h_tp = hidden_size  # norm / residual width (sequence parallel would divide by tp)
     fc1_out = ffn * (2 if swiglu else 1) / tp
     layer = (
-        (h_tp + 2)                 # input layernorm: input + mean/rstd
-        + h_tp                     # linear_qkv input
-        + qkv_width                # q, k, v as the kernel saves them (head-sharded: 1/ulysses of heads, all tokens)
-        + hq * d                   # attention output
-        + hq                       # log-sum-exp
-        + hq * d                   # linear_proj input
-        + (h_tp + 2)               # pre-MLP layernorm
-        + h_tp                     # linear_fc1 input
+        (h_tp + 2)  # input layernorm: input + mean/rstd
+        + h_tp  # linear_qkv input
+        + qkv_width  # q, k, v as the kernel saves them (head-sharded: 1/ulysses of heads, all tokens)
+        + hq * d  # attention output
+        + hq  # log-sum-exp
+        + hq * d  # linear_proj input
+        + (h_tp + 2)  # pre-MLP layernorm
+        + h_tp  # linear_fc1 input
         + (0 if mlp_chunk_tokens else fc1_out + ffn / tp)  # activation + linear_fc2 inputs (tiled: recomputed)
     )
     if recompute == "full":  # layer inputs kept; one layer's activations live again during its backward
@@ -98,7 +124,9 @@ def estimate(*, num_layers, hidden_size, num_attention_heads, num_query_groups=N
     # the peak is either in backward (activations, logits, the MLP chunk) or in the optimizer step
     # (activations freed by then, its temporaries instead)
     vocab_grad = K_VOCAB_GRAD * 4 * vocab_size / tp * hidden_size
-    step_transient = max(act_bytes + loss_bytes + mlp_bytes + vocab_grad, K_OPT_TORCH * params * 4 if torch_adam else 0.0)
+    step_transient = max(
+        act_bytes + loss_bytes + mlp_bytes + vocab_grad, K_OPT_TORCH * params * 4 if torch_adam else 0.0
+    )
     # ---- all-to-all bytes per rank
     P = ulysses
     q_heads_rank, kv_rank = hq // max(P, 1), max(hk // max(P, 1), 1)
@@ -158,8 +186,11 @@ def main(argv=None):
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--swiglu", action="store_true")
     p.add_argument("--recompute", choices=["full"], default=None)
-    p.add_argument("--torch-adam", action="store_true",
-                   help="torch's foreach Adam (CPU, or no TE/Apex): its step's temporaries count (fused Adam's do not)")
+    p.add_argument(
+        "--torch-adam",
+        action="store_true",
+        help="torch's foreach Adam (CPU, or no TE/Apex): its step's temporaries count (fused Adam's do not)",
+    )
     p.add_argument("--loss-chunk-tokens", type=int, default=None)
     p.add_argument("--mlp-chunk-tokens", type=int, default=None)
     p.add_argument("--use-distributed-optimizer", action="store_true")
@@ -167,29 +198,49 @@ def main(argv=None):
     p.add_argument("--budget-gb", type=float)
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
-    kw = dict(num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
-              num_query_groups=a.num_query_groups, ffn_hidden_size=a.ffn_hidden_size, vocab_size=a.vocab_size,
-              micro_batch_size=a.micro_batch_size, tp=a.tp, cp=a.cp, pp=a.pp, bf16=a.bf16,
-              recompute=a.recompute, swiglu=a.swiglu, distributed_optimizer=a.use_distributed_optimizer, dp=a.dp,
-              loss_chunk_tokens=a.loss_chunk_tokens, mlp_chunk_tokens=a.mlp_chunk_tokens, torch_adam=a.torch_adam)
+    kw = dict(
+        num_layers=a.num_layers,
+        hidden_size=a.hidden_size,
+        num_attention_heads=a.num_attention_heads,
+        num_query_groups=a.num_query_groups,
+        ffn_hidden_size=a.ffn_hidden_size,
+        vocab_size=a.vocab_size,
+        micro_batch_size=a.micro_batch_size,
+        tp=a.tp,
+        cp=a.cp,
+        pp=a.pp,
+        bf16=a.bf16,
+        recompute=a.recompute,
+        swiglu=a.swiglu,
+        distributed_optimizer=a.use_distributed_optimizer,
+        dp=a.dp,
+        loss_chunk_tokens=a.loss_chunk_tokens,
+        mlp_chunk_tokens=a.mlp_chunk_tokens,
+        torch_adam=a.torch_adam,
+    )
     est = estimate(seq_length=a.seq_length, ulysses=a.ulysses, **kw)
     out = {"estimate": est}
     if a.budget_gb:
         out["longest_sequence"] = {
             u: longest_sequence(a.budget_gb * 1e9, 2 * u * a.cp, ulysses=u, **kw)
-            for u in (1, 2, 4, 8, 16) if a.num_attention_heads // a.tp % u == 0
+            for u in (1, 2, 4, 8, 16)
+            if a.num_attention_heads // a.tp % u == 0
         }
     if a.json:
         print(json.dumps(out, indent=1))
         return 0
     gb = 1e9
     print(f"per rank at seq {a.seq_length}, tp {a.tp} x ulysses {a.ulysses} x cp {a.cp} x pp {a.pp}:")
-    print(f"  weights {est['weights_bytes'] / gb:.2f} GB, grads {est['grads_bytes'] / gb:.2f} GB, "
-          f"Adam {est['optimizer_bytes'] / gb:.2f} GB, activations {est['activations_bytes'] / gb:.2f} GB, "
-          f"logits {est['loss_transient_bytes'] / gb:.2f} GB -> step peak {est['total_bytes'] / gb:.2f} GB")
-    print(f"  tokens per rank {est['tokens_per_rank']}; all-to-all sent per rank: "
-          f"{est['a2a_bytes_per_layer'] / 1e6:.1f} MB per layer, {est['a2a_bytes_per_step'] / gb:.2f} GB per micro-batch"
-          + (f"; ring shifts {est['ring_bytes_per_layer'] / 1e6:.1f} MB per layer" if a.cp > 1 else ""))
+    print(
+        f"  weights {est['weights_bytes'] / gb:.2f} GB, grads {est['grads_bytes'] / gb:.2f} GB, "
+        f"Adam {est['optimizer_bytes'] / gb:.2f} GB, activations {est['activations_bytes'] / gb:.2f} GB, "
+        f"logits {est['loss_transient_bytes'] / gb:.2f} GB -> step peak {est['total_bytes'] / gb:.2f} GB"
+    )
+    print(
+        f"  tokens per rank {est['tokens_per_rank']}; all-to-all sent per rank: "
+        f"{est['a2a_bytes_per_layer'] / 1e6:.1f} MB per layer, {est['a2a_bytes_per_step'] / gb:.2f} GB per micro-batch"
+        + (f"; ring shifts {est['ring_bytes_per_layer'] / 1e6:.1f} MB per layer" if a.cp > 1 else "")
+    )
     if a.budget_gb:
         print(f"longest sequence in {a.budget_gb} GB per rank:")
         for u, s in out["longest_sequence"].items():

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Draw loss and tokens/s from examples/pretrain_gpt.py's metrics.csv into a PNG.
 
-    python tools/plot_training.py runs/metrics.csv [more.csv ...] --out runs/training.png [--label a --label b]
+python tools/plot_training.py runs/metrics.csv [more.csv ...] --out runs/training.png [--label a --label b]
 """
+
 import argparse
 import csv
 import os
@@ -38,8 +39,12 @@ def main(argv=None):
         it = [int(r["iteration"]) for r in train]
         ax1.plot(it, [float(r["lm_loss"]) for r in train], label=f"{label} train")
         if valid:
-            ax1.plot([int(r["iteration"]) for r in valid], [float(r["lm_loss"]) for r in valid], "o--",
-                     label=f"{label} valid")
+            ax1.plot(
+                [int(r["iteration"]) for r in valid],
+                [float(r["lm_loss"]) for r in valid],
+                "o--",
+                label=f"{label} valid",
+            )
         ax2.plot(it, [float(r["tokens_per_second"]) for r in train], label=label)
     ax1.set(xlabel="iteration", ylabel="lm loss", title="loss")
     ax2.set(xlabel="iteration", ylabel="tokens / s", title="throughput")

@@ -7,6 +7,7 @@ A ``.jsonl``/``.json`` input has one JSON object a line (text under ``--json-key
 other file is plain text with documents separated by blank lines.  Each document gets an
 end-of-document token.  Shows a progress bar on stderr.
 """
+
 import argparse
 import os
 import sys

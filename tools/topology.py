@@ -29,8 +29,9 @@ def crossing_groups(topo: Topology, axes: str, gpus_per_node: int):
 
 
 def plan(args) -> dict:
-    topo = Topology(args.world_size, tp=args.tp, ulysses=args.ulysses, cp=args.cp, pp=args.pp,
-                    ep=args.ep, order=args.order)
+    topo = Topology(
+        args.world_size, tp=args.tp, ulysses=args.ulysses, cp=args.cp, pp=args.pp, ep=args.ep, order=args.order
+    )
     out = {"topology": topo.describe(), "dp": topo.dp, "order": topo.order}
     if args.num_attention_heads:
         topo.check_model(args.num_attention_heads, args.num_query_groups, args.seq_length)
@@ -44,8 +45,11 @@ def plan(args) -> dict:
             kva = [hp.kv_count(r) for r in range(topo.ulysses)]
             rep = "shared at group boundaries"
         out["heads"] = {
-            "query_heads_per_tp_rank": q, "kv_heads_per_tp_rank": kv,
-            "query_heads_in_attention": qa, "kv_heads_in_attention": kva, "kv_replicas": rep,
+            "query_heads_per_tp_rank": q,
+            "kv_heads_per_tp_rank": kv,
+            "query_heads_in_attention": qa,
+            "kv_heads_in_attention": kva,
+            "kv_replicas": rep,
         }
     if args.seq_length:
         out["tokens"] = {
@@ -54,21 +58,28 @@ def plan(args) -> dict:
             "per_rank_inside_attention": args.seq_length // topo.cp,
         }
     out["rank"] = args.rank
-    out["groups_of_rank"] = {a: topo.group_of(a, args.rank) for a in AXIS_SETS
-                             if (a not in ("ep", "edp") or topo.ep > 1)}
+    out["groups_of_rank"] = {
+        a: topo.group_of(a, args.rank) for a in AXIS_SETS if (a not in ("ep", "edp") or topo.ep > 1)
+    }
     out["coords_of_rank"] = topo.coords(args.rank)
     nodes = []
     for n in range(0, topo.world_size, args.gpus_per_node):
         ranks = range(n, min(n + args.gpus_per_node, topo.world_size))
-        nodes.append([{"rank": r, **{k: v for k, v in topo.coords(r).items() if k in ("tp", "ulysses", "cp", "dp", "pp")}}
-                      for r in ranks])
+        nodes.append(
+            [
+                {"rank": r, **{k: v for k, v in topo.coords(r).items() if k in ("tp", "ulysses", "cp", "dp", "pp")}}
+                for r in ranks
+            ]
+        )
     out["nodes"] = nodes
     warnings = []
     for axes in ("tp", "ulysses"):
         bad = crossing_groups(topo, axes, args.gpus_per_node)
         if bad:
-            warnings.append(f"{len(bad)} {axes} group(s) cross a node boundary (first: {bad[0]}); "
-                            f"keep tp x ulysses <= --gpus-per-node {args.gpus_per_node}")
+            warnings.append(
+                f"{len(bad)} {axes} group(s) cross a node boundary (first: {bad[0]}); "
+                f"keep tp x ulysses <= --gpus-per-node {args.gpus_per_node}"
+            )
     out["warnings"] = warnings
     return out
 
@@ -100,13 +111,17 @@ def main(argv=None):
     print(out["topology"])
     if "heads" in out:
         h = out["heads"]
-        print(f"heads per tp rank: {h['query_heads_per_tp_rank']} q / {h['kv_heads_per_tp_rank']} kv; "
-              f"inside attention each rank computes {h['query_heads_in_attention']} q / "
-              f"{h['kv_heads_in_attention']} kv heads (kv replicated x{h['kv_replicas']})")
+        print(
+            f"heads per tp rank: {h['query_heads_per_tp_rank']} q / {h['kv_heads_per_tp_rank']} kv; "
+            f"inside attention each rank computes {h['query_heads_in_attention']} q / "
+            f"{h['kv_heads_in_attention']} kv heads (kv replicated x{h['kv_replicas']})"
+        )
     if "tokens" in out:
         t = out["tokens"]
-        print(f"tokens: {t['sequence']} per sequence; {t['per_rank_outside_attention']} per rank outside "
-              f"attention, {t['per_rank_inside_attention']} inside (all of them unless ring cp > 1)")
+        print(
+            f"tokens: {t['sequence']} per sequence; {t['per_rank_outside_attention']} per rank outside "
+            f"attention, {t['per_rank_inside_attention']} inside (all of them unless ring cp > 1)"
+        )
     print(f"\ngroups of rank {out['rank']} (coords {out['coords_of_rank']}):")
     for a, g in out["groups_of_rank"].items():
         print(f"  {a:>14}: {g}")

@@ -100,11 +100,17 @@ def ulysses_attention(
     shifts forward and ``2C-1`` backward.  ``group=None`` or a group of size 1 runs the kernel
     directly.
     """
-    opts = attention_options(causal, layout, backend, softmax_scale, dropout_p, token_order, overlap_chunks,
-                             window_size, return_lse)
+    opts = attention_options(
+        causal, layout, backend, softmax_scale, dropout_p, token_order, overlap_chunks, window_size, return_lse
+    )
     tensors = NO_TENSORS
-    if (attention_mask is not None or attention_bias is not None or cu_seqlens is not None or seqlens is not None
-            or softmax_offset is not None):
+    if (
+        attention_mask is not None
+        or attention_bias is not None
+        or cu_seqlens is not None
+        or seqlens is not None
+        or softmax_offset is not None
+    ):
         tensors = CallTensors(attention_mask, attention_bias, cu_seqlens, seqlens, softmax_offset)
     return CALLS.run(query, key, value, opts, group, ring_group, tensors, first_head, check)
 

@@ -49,8 +49,11 @@ def cpu_prefers_lse_kernel(q, v, attention_mask=None, attention_bias=None, dropo
     if q.shape[-1] != v.shape[-1]:
         return attention_bias is None or not attention_bias.requires_grad
     rows = [t for t in (attention_mask, attention_bias) if t is not None]
-    return bool(rows) and all(t.shape[-2] == 1 for t in rows) and not (
-        attention_bias is not None and attention_bias.requires_grad)
+    return (
+        bool(rows)
+        and all(t.shape[-2] == 1 for t in rows)
+        and not (attention_bias is not None and attention_bias.requires_grad)
+    )
 
 
 def _to_bhsd(x: torch.Tensor, layout: str) -> torch.Tensor:
@@ -92,53 +95,56 @@ def sdpa_attention(
     (:func:`ulysses_mcore.ring.ring_attention` without a ring): exact, memory ``O(s x tile)``,
     tiles outside the window skipped.  ``heads``: the global query heads held (unused here)."""
     if options_set(window_size, softmax_offset, return_lse) or (
-            cu_seqlens is None and cpu_prefers_lse_kernel(q, v, attention_mask, attention_bias, dropout_p)):
+        cu_seqlens is None and cpu_prefers_lse_kernel(q, v, attention_mask, attention_bias, dropout_p)
+    ):
         if dropout_p:
             raise ValueError("dropout_p > 0 does not combine with window_size / softmax_offset / return_lse")
-        return ring_attention(q, k, v, group=None, causal=causal, softmax_scale=softmax_scale, layout=layout,
-                              attention_mask=attention_mask, attention_bias=attention_bias, cu_seqlens=cu_seqlens,
-                              window_size=window_size, softmax_offset=softmax_offset, return_lse=return_lse,
-                              tile=LSE_TILE)
+        lse_kw = dict(attention_mask=attention_mask, attention_bias=attention_bias, cu_seqlens=cu_seqlens)
+        lse_kw.update(window_size=window_size, softmax_offset=softmax_offset, return_lse=return_lse)
+        return ring_attention(
+            q, k, v, group=None, causal=causal, softmax_scale=softmax_scale, layout=layout, tile=LSE_TILE, **lse_kw
+        )
     if cu_seqlens is not None:
-        return _sdpa_varlen(q, k, v, cu_seqlens, seqlens, causal=causal, softmax_scale=softmax_scale,
-                            dropout_p=dropout_p)
+        return _sdpa_varlen(
+            q, k, v, cu_seqlens, seqlens, causal=causal, softmax_scale=softmax_scale, dropout_p=dropout_p
+        )
     if attention_mask is None and attention_bias is None:
-        return sdpa_plain(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout, dropout_p=dropout_p,
-                          gqa=q.shape[2] != k.shape[2])
+        gqa = q.shape[2] != k.shape[2]
+        return sdpa_plain(
+            q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout, dropout_p=dropout_p, gqa=gqa
+        )
     qb, kb, vb = (_to_bhsd(t, layout) for t in (q, k, v))
-    mask = None
-    if attention_mask is not None or attention_bias is not None:
-        S, Sk = qb.shape[2], kb.shape[2]
-        allowed = None
-        if attention_mask is not None:
-            allowed = ~attention_mask.to(torch.bool)
-        if causal:
-            tri = torch.ones(S, Sk, dtype=torch.bool, device=q.device).tril()
-            allowed = tri if allowed is None else allowed & tri
-        if attention_bias is not None:
-            mask = attention_bias.to(q.dtype)
-            if allowed is not None:
-                mask = mask.masked_fill(~allowed, float("-inf"))
-        else:
-            mask = allowed
-        causal = False
+    mask = _sdpa_mask(attention_mask, attention_bias, causal, qb.shape[2], kb.shape[2], q.dtype, q.device)
+    gqa = qb.shape[1] != kb.shape[1]
     out = F.scaled_dot_product_attention(
-        qb,
-        kb,
-        vb,
-        attn_mask=mask,
-        dropout_p=dropout_p,
-        is_causal=causal,
-        scale=softmax_scale,
-        enable_gqa=qb.shape[1] != kb.shape[1],
+        qb, kb, vb, attn_mask=mask, dropout_p=dropout_p, is_causal=False, scale=softmax_scale, enable_gqa=gqa
     )
     return _from_bhsd(out, layout)
 
 
+def _sdpa_mask(attention_mask, attention_bias, causal: bool, S: int, Sk: int, dtype, device):
+    """SDPA's ``attn_mask`` from Megatron's mask (True = masked), an additive bias and causality."""
+    allowed = None if attention_mask is None else ~attention_mask.to(torch.bool)
+    if causal:
+        tri = torch.ones(S, Sk, dtype=torch.bool, device=device).tril()
+        allowed = tri if allowed is None else allowed & tri
+    if attention_bias is None:
+        return allowed
+    bias = attention_bias.to(dtype)
+    return bias if allowed is None else bias.masked_fill(~allowed, float("-inf"))
+
+
 def sdpa_plain(q, k, v, *, causal, softmax_scale=None, layout="sbhd", dropout_p=0.0, gqa=False, heads=None):
     """SDPA without masks, bias or variants: two permuted views in, one out (``heads``: unused)."""
-    out = F.scaled_dot_product_attention(_to_bhsd(q, layout), _to_bhsd(k, layout), _to_bhsd(v, layout),
-                                         dropout_p=dropout_p, is_causal=causal, scale=softmax_scale, enable_gqa=gqa)
+    out = F.scaled_dot_product_attention(
+        _to_bhsd(q, layout),
+        _to_bhsd(k, layout),
+        _to_bhsd(v, layout),
+        dropout_p=dropout_p,
+        is_causal=causal,
+        scale=softmax_scale,
+        enable_gqa=gqa,
+    )
     return _from_bhsd(out, layout)
 
 
@@ -150,8 +156,14 @@ def plain_sdpa_kernel(opts: AttentionOptions, q, v, gqa: bool, layout: str):
         return None
     if q.device.type == "cpu" and q.shape[-1] != v.shape[-1]:
         return None
-    return functools.partial(sdpa_plain, causal=opts.causal, softmax_scale=opts.softmax_scale, layout=layout,
-                             dropout_p=opts.dropout_p or 0.0, gqa=gqa)
+    return functools.partial(
+        sdpa_plain,
+        causal=opts.causal,
+        softmax_scale=opts.softmax_scale,
+        layout=layout,
+        dropout_p=opts.dropout_p or 0.0,
+        gqa=gqa,
+    )
 
 
 def _sdpa_varlen(q, k, v, cu_seqlens, seqlens, *, causal, softmax_scale, dropout_p):
@@ -160,8 +172,16 @@ def _sdpa_varlen(q, k, v, cu_seqlens, seqlens, *, causal, softmax_scale, dropout
     outs = []
     for lo, hi, n in zip(bounds[:-1], bounds[1:], real):
         if n > 0:
-            outs.append(sdpa_attention(q[lo:lo + n], k[lo:lo + n], v[lo:lo + n], causal=causal,
-                                       softmax_scale=softmax_scale, dropout_p=dropout_p))
+            outs.append(
+                sdpa_attention(
+                    q[lo : lo + n],
+                    k[lo : lo + n],
+                    v[lo : lo + n],
+                    causal=causal,
+                    softmax_scale=softmax_scale,
+                    dropout_p=dropout_p,
+                )
+            )
         if hi - lo > n:  # the pad after the document: no query, no key
             outs.append(q.new_zeros((hi - lo - n, *q.shape[1:])))
     return torch.cat(outs, dim=0)
@@ -193,13 +213,31 @@ def flash_attention(q, k, v, *, causal, softmax_scale=None, layout="sbhd", dropo
         lens = kw.get("seqlens")
         if lens is not None:  # padded documents: the real tokens packed tight, run, put back
             rows, tight = _real_rows(cu, lens, q.device)
-            inner = flash_attention(q.index_select(0, rows), k.index_select(0, rows), v.index_select(0, rows),
-                                    causal=causal, softmax_scale=softmax_scale, dropout_p=dropout_p, cu_seqlens=tight,
-                                    window_size=kw.get("window_size"))
+            inner = flash_attention(
+                q.index_select(0, rows),
+                k.index_select(0, rows),
+                v.index_select(0, rows),
+                causal=causal,
+                softmax_scale=softmax_scale,
+                dropout_p=dropout_p,
+                cu_seqlens=tight,
+                window_size=kw.get("window_size"),
+            )
             return q.new_zeros(q.shape[0], *inner.shape[1:]).index_copy(0, rows, inner)
         cu32, maxlen = _varlen_args(cu, q.device)
-        out = flash_attn_varlen_func(q[:, 0], k[:, 0], v[:, 0], cu32, cu32, maxlen, maxlen, dropout_p,
-                                     softmax_scale=softmax_scale, causal=causal, window_size=_kernel_window(kw))
+        out = flash_attn_varlen_func(
+            q[:, 0],
+            k[:, 0],
+            v[:, 0],
+            cu32,
+            cu32,
+            maxlen,
+            maxlen,
+            dropout_p,
+            softmax_scale=softmax_scale,
+            causal=causal,
+            window_size=_kernel_window(kw),
+        )
         return out.unsqueeze(1)
     if kw.get("attention_mask") is not None or kw.get("attention_bias") is not None:
         raise ValueError(
@@ -277,8 +315,17 @@ def te_attention(q, k, v, *, causal, softmax_scale=None, layout="sbhd", dropout_
             real = torch.cat([lens.new_zeros(1), lens.cumsum(0)]).to(device=q.device, dtype=torch.int32)
             pad = dict(cu_seqlens_q_padded=cu32, cu_seqlens_kv_padded=cu32)
             cu32 = real
-        out = mod(q[:, 0], k[:, 0], v[:, 0], attn_mask_type=mask_type, cu_seqlens_q=cu32, cu_seqlens_kv=cu32,
-                  max_seqlen_q=maxlen, max_seqlen_kv=maxlen, **pad)
+        out = mod(
+            q[:, 0],
+            k[:, 0],
+            v[:, 0],
+            attn_mask_type=mask_type,
+            cu_seqlens_q=cu32,
+            cu_seqlens_kv=cu32,
+            max_seqlen_q=maxlen,
+            max_seqlen_kv=maxlen,
+            **pad,
+        )
         return out.view(q.shape[0], 1, hq, dv)
     out = mod(q, k, v, attention_mask=mask, attn_mask_type=mask_type, **extra)
     return out.view(*q.shape[:2], hq, dv)
@@ -326,8 +373,10 @@ def callable_accepts(fn, name: str) -> bool:
 
 
 def callable_option_error(name: str) -> str:
-    return (f"{name} is set but the callable backend does not take a {name!r} keyword: declare it "
-            f"(q, k, v, *, causal, softmax_scale, {name}, heads=None) or use backend='sdpa'")
+    return (
+        f"{name} is set but the callable backend does not take a {name!r} keyword: declare it "
+        f"(q, k, v, *, causal, softmax_scale, {name}, heads=None) or use backend='sdpa'"
+    )
 
 
 def resolve(backend: Union[str, Kernel]) -> Kernel:

@@ -60,8 +60,25 @@ def call_key(q, k, v, opts: AttentionOptions, group, ring_group, tensors: CallTe
     if extra is not None:
         extra = tuple((name, _tensor_key(2, val) if isinstance(val, torch.Tensor) else val) for name, val in extra)
     try:
-        key = (opts, group, ring_group, head0, extra, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype,
-               q.device, k.device, v.device, q.requires_grad, k.requires_grad, v.requires_grad)
+        key = (
+            opts,
+            group,
+            ring_group,
+            head0,
+            extra,
+            q.shape,
+            k.shape,
+            v.shape,
+            q.dtype,
+            k.dtype,
+            v.dtype,
+            q.device,
+            k.device,
+            v.device,
+            q.requires_grad,
+            k.requires_grad,
+            v.requires_grad,
+        )
     except AttributeError:
         return None
     if tensors is not NO_TENSORS:
@@ -76,8 +93,19 @@ class CallCache:
         self.entries: dict = {}
         self.max_entries = max_entries
 
-    def run(self, q, k, v, opts: AttentionOptions, group, ring_group, tensors: CallTensors = NO_TENSORS,
-            head0: int = 0, check: bool = True, extra=None):
+    def run(
+        self,
+        q,
+        k,
+        v,
+        opts: AttentionOptions,
+        group,
+        ring_group,
+        tensors: CallTensors = NO_TENSORS,
+        head0: int = 0,
+        check: bool = True,
+        extra=None,
+    ):
         """Attention of this call: the prepared call of its signature, made (and validated when
         ``check``) the first time.  ``extra``: the caller's own checks (a hashable tuple of
         ``(name, value)`` pairs, e.g. the module's expected heads), part of the signature."""
@@ -91,8 +119,10 @@ class CallCache:
         degree = 1 if group is None else dist.get_world_size(group)
         ring = 1 if ring_group is None else dist.get_world_size(ring_group)
         if degree < 1 or ring < 1:  # no peer waits on a rank outside the group: raising here is safe
-            raise ValueError(f"ulysses_attention: rank {dist.get_rank()} is not a member of the "
-                             f"{'group' if degree < 1 else 'ring_group'} it was given; pass this rank's own group")
+            raise ValueError(
+                f"ulysses_attention: rank {dist.get_rank()} is not a member of the "
+                f"{'group' if degree < 1 else 'ring_group'} it was given; pass this rank's own group"
+            )
         if check:
             check_call(q, k, v, opts, tensors._asdict(), dict(extra or ()), group, ring_group, degree, ring)
         call = PreparedCall(q, k, v, opts, group, ring_group, degree, ring, tensors, head0)
@@ -219,8 +249,14 @@ class PreparedCall:
         from .overlap import OverlappedUlysses
 
         qc = self.chunks.qc
-        return OverlappedUlysses.apply(q, k, v, self.group, self.chunks,
-                                       lambda lq, lk, lv, c: self._attend(lq, lk, lv, tensors, self.lo + c * qc, qc))
+        return OverlappedUlysses.apply(
+            q,
+            k,
+            v,
+            self.group,
+            self.chunks,
+            lambda lq, lk, lv, c: self._attend(lq, lk, lv, tensors, self.lo + c * qc, qc),
+        )
 
 
 def ring_kernel(backend, ring_group, token_order: str):
@@ -231,12 +267,38 @@ def ring_kernel(backend, ring_group, token_order: str):
         return partial(te_attention, ring_group=ring_group)
     from .ring import ring_attention
 
-    def lse_ring(q, k, v, *, causal, softmax_scale=None, layout="sbhd", attention_mask=None,
-                 attention_bias=None, cu_seqlens=None, seqlens=None, window_size=None, softmax_offset=None,
-                 return_lse=False, heads=None):
-        return ring_attention(q, k, v, group=ring_group, causal=causal, softmax_scale=softmax_scale,
-                              layout=layout, token_order=token_order, attention_mask=attention_mask,
-                              attention_bias=attention_bias, cu_seqlens=cu_seqlens, window_size=window_size,
-                              softmax_offset=softmax_offset, return_lse=return_lse)
+    def lse_ring(
+        q,
+        k,
+        v,
+        *,
+        causal,
+        softmax_scale=None,
+        layout="sbhd",
+        attention_mask=None,
+        attention_bias=None,
+        cu_seqlens=None,
+        seqlens=None,
+        window_size=None,
+        softmax_offset=None,
+        return_lse=False,
+        heads=None,
+    ):
+        return ring_attention(
+            q,
+            k,
+            v,
+            group=ring_group,
+            causal=causal,
+            softmax_scale=softmax_scale,
+            layout=layout,
+            token_order=token_order,
+            attention_mask=attention_mask,
+            attention_bias=attention_bias,
+            cu_seqlens=cu_seqlens,
+            window_size=window_size,
+            softmax_offset=softmax_offset,
+            return_lse=return_lse,
+        )
 
     return lse_ring

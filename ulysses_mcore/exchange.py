@@ -118,18 +118,23 @@ def head_layout_error(num_q_heads: int, num_kv_heads: int, degree: int) -> Optio
     if num_q_heads < 1 or num_kv_heads < 1:
         return f"head counts must be >= 1 (query heads={num_q_heads}, kv heads={num_kv_heads})"
     if num_q_heads % num_kv_heads:
-        return (f"query heads ({num_q_heads}) must be a multiple of kv heads ({num_kv_heads}) "
-                "for grouped-query attention")
+        return (
+            f"query heads ({num_q_heads}) must be a multiple of kv heads ({num_kv_heads}) for grouped-query attention"
+        )
     if num_q_heads < degree:
-        return (f"ulysses degree {degree} is larger than the {num_q_heads} query heads on this tensor-parallel "
-                f"rank: every rank needs at least one head; use a degree <= {num_q_heads} "
-                "(ring context parallelism covers larger degrees)")
+        return (
+            f"ulysses degree {degree} is larger than the {num_q_heads} query heads on this tensor-parallel "
+            f"rank: every rank needs at least one head; use a degree <= {num_q_heads} "
+            "(ring context parallelism covers larger degrees)"
+        )
     return None
 
 
 def is_even(num_q_heads: int, num_kv_heads: int, degree: int) -> bool:
-    return head_layout_error(num_q_heads, num_kv_heads, degree) is None and \
-        HeadPlan(num_q_heads, num_kv_heads, degree).regular
+    return (
+        head_layout_error(num_q_heads, num_kv_heads, degree) is None
+        and HeadPlan(num_q_heads, num_kv_heads, degree).regular
+    )
 
 
 def overlap_error(num_q_heads: int, num_kv_heads: int, degree: int, chunks) -> Optional[str]:
@@ -141,8 +146,10 @@ def overlap_error(num_q_heads: int, num_kv_heads: int, degree: int, chunks) -> O
     plan = HeadPlan(num_q_heads, num_kv_heads, degree)
     q, kv = num_q_heads // degree, max(num_kv_heads // degree, 1)
     if q % chunks or plan.kv_replicas > 1 or kv % chunks:
-        return (f"overlap_chunks={chunks} must divide the {q} query and {kv} kv heads each rank computes "
-                f"(kv heads replicated x{plan.kv_replicas}); use overlap_chunks=1")
+        return (
+            f"overlap_chunks={chunks} must divide the {q} query and {kv} kv heads each rank computes "
+            f"(kv heads replicated x{plan.kv_replicas}); use overlap_chunks=1"
+        )
     return None
 
 
@@ -197,8 +204,9 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, group, out_splits=None, in_
     """The one all-to-all of the package (split sizes in elements of flat buffers, or None)."""
     if out_splits is not None:
         out, inp = out.view(-1), inp.reshape(-1)
-    return dist.all_to_all_single(out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits,
-                                  group=group, async_op=async_op)
+    return dist.all_to_all_single(
+        out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits, group=group, async_op=async_op
+    )
 
 
 def _recv_as_layout(recv: torch.Tensor, layout: str) -> torch.Tensor:
@@ -226,7 +234,7 @@ def _widths(nq: int, nk: int, dq: int, dv: int):
 
 def _part(buf: torch.Tensor, start: int, heads: int, d: int) -> torch.Tensor:
     """A ``[..., heads, d]`` view of columns ``start .. start + heads*d`` of a ``[..., W]`` buffer."""
-    return buf[..., start:start + heads * d].unflatten(-1, (heads, d))
+    return buf[..., start : start + heads * d].unflatten(-1, (heads, d))
 
 
 # ----------------------------------------------------------------------------- routes
@@ -242,8 +250,16 @@ class QkvRoute:
 
     def __init__(self, plan: HeadPlan, rank: int, A: int, B: int, dq: int, dv: int, layout: str):
         P = plan.degree
-        self.plan, self.layout, self.sd, self.P, self.A, self.B, self.dq, self.dv = \
-            plan, layout, seq_dim(layout), P, A, B, dq, dv
+        self.plan, self.layout, self.sd, self.P, self.A, self.B, self.dq, self.dv = (
+            plan,
+            layout,
+            seq_dim(layout),
+            P,
+            A,
+            B,
+            dq,
+            dv,
+        )
         self.mine, W = _widths(plan.q_count(rank), plan.kv_count(rank), dq, dv)
         self.recv_shape = (P, A, B, W)
         full = (P * A, B) if self.sd == 0 else (A, P * B)
@@ -295,7 +311,7 @@ class QkvRoute:
         hk, rep = self.plan.num_kv_heads, self.replicas  # each kv head goes to `rep` consecutive ranks
         rows = send.view(hk, rep, *send.shape[1:])
         for (start, _, d), t5 in zip(self.send_parts[1:], (k5, v5)):
-            dst = rows[..., start:start + d]
+            dst = rows[..., start : start + d]
             dst.copy_(t5.flatten(2, 3).permute(2, 0, 1, 3)[:, None].expand_as(dst))
         return send
 
@@ -310,7 +326,7 @@ class QkvRoute:
         """Per destination: its q, k, v parts ``[A, B, n, d]`` of a flat buffer, its q and kv ranges."""
         dq, dv, A, B = self.dq, self.dv, self.A, self.B
         for off, Wj, (qlo, qhi), (klo, khi) in self.blocks:
-            blk = buf[off:off + A * B * Wj].view(A, B, Wj)
+            blk = buf[off : off + A * B * Wj].view(A, B, Wj)
             parts = _widths(qhi - qlo, khi - klo, dq, dv)[0]
             yield [_part(blk, *p) for p in parts], (qlo, qhi), (klo, khi)
 
@@ -358,7 +374,7 @@ class QkvRoute:
             return
         plan = self.plan
         for (start, _, d), g5 in zip(self.send_parts[1:], (gk5, gv5)):
-            summed = recv[..., start:start + d].unflatten(0, (plan.num_kv_heads, self.replicas)).sum(1)
+            summed = recv[..., start : start + d].unflatten(0, (plan.num_kv_heads, self.replicas)).sum(1)
             g5.copy_(summed.permute(1, 2, 0, 3).unsqueeze(3))
 
     def unpack_grad_all(self, recv: torch.Tensor, kshape, vshape):
@@ -427,7 +443,7 @@ class OutRoute:
         A, B, d = self.A, self.B, self.d
         result = recv.new_empty(A, B, self.plan.num_q_heads, d)
         for (lo, hi), off, n in zip(self.ranges, self.offsets, self.sizes):
-            result[:, :, lo:hi] = recv[off:off + n].view(A, B, hi - lo, d)
+            result[:, :, lo:hi] = recv[off : off + n].view(A, B, hi - lo, d)
         return result
 
     def start_grad(self, g: torch.Tensor, group, async_op=False, g5=None):
@@ -505,8 +521,9 @@ def exchange_out(out, group, route: OutRoute):
     return route.finish(route.start(out, group)[0])
 
 
-def seq_to_head(q, k, v, group, plan: HeadPlan, layout: str = "sbhd", rank: Optional[int] = None,
-                route: Optional[QkvRoute] = None):
+def seq_to_head(
+    q, k, v, group, plan: HeadPlan, layout: str = "sbhd", rank: Optional[int] = None, route: Optional[QkvRoute] = None
+):
     """Differentiable: token-sharded q, k, v -> this rank's heads over the full sequence.
     ``route``: a :class:`QkvRoute` worked out before (the prepared call's), else made here."""
     if plan.degree == 1:
@@ -516,8 +533,9 @@ def seq_to_head(q, k, v, group, plan: HeadPlan, layout: str = "sbhd", rank: Opti
     return exchange_qkv(q, k, v, group, route)
 
 
-def head_to_seq(out, group, plan: HeadPlan, layout: str = "sbhd", rank: Optional[int] = None,
-                route: Optional[OutRoute] = None):
+def head_to_seq(
+    out, group, plan: HeadPlan, layout: str = "sbhd", rank: Optional[int] = None, route: Optional[OutRoute] = None
+):
     """Differentiable: this rank's heads over the full sequence -> token shard, all heads."""
     if plan.degree == 1:
         return out
@@ -554,7 +572,7 @@ class _PackLse(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return g[..., :ctx.dv], g[..., ctx.dv:].contiguous().view(ctx.lse_dtype).squeeze(-1)
+        return g[..., : ctx.dv], g[..., ctx.dv :].contiguous().view(ctx.lse_dtype).squeeze(-1)
 
 
 class _UnpackLse(torch.autograd.Function):

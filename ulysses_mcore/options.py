@@ -38,12 +38,12 @@ class AttentionOptions:
 
     causal: Any
     layout: Any = "sbhd"
-    backend: Any = "sdpa"          # "sdpa" | "flash" | "te" | a callable kernel
+    backend: Any = "sdpa"  # "sdpa" | "flash" | "te" | a callable kernel
     softmax_scale: Any = None
     dropout_p: Any = 0.0
     token_order: Any = "contiguous"
     overlap_chunks: Any = 1
-    window_size: Any = None        # (left, right) or None
+    window_size: Any = None  # (left, right) or None
     return_lse: Any = False
 
     @property
@@ -56,8 +56,17 @@ _CACHE: dict = {}
 _CACHE_MAX = 1024
 
 
-def attention_options(causal, layout="sbhd", backend="sdpa", softmax_scale=None, dropout_p=0.0,
-                      token_order="contiguous", overlap_chunks=1, window_size=None, return_lse=False):
+def attention_options(
+    causal,
+    layout="sbhd",
+    backend="sdpa",
+    softmax_scale=None,
+    dropout_p=0.0,
+    token_order="contiguous",
+    overlap_chunks=1,
+    window_size=None,
+    return_lse=False,
+):
     """The :class:`AttentionOptions` of these values: one dict lookup when seen before."""
     if isinstance(window_size, list):
         window_size = tuple(window_size)

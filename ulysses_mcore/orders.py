@@ -72,8 +72,9 @@ def _reorders(order: torch.Tensor, sd: int) -> Tuple[Reorder, Reorder]:
     return (lambda t: t.index_select(sd, inv)), (lambda t: t.index_select(sd, order))
 
 
-def token_orders(token_order: str, degree: int, seq_len: int, device, sd: int
-                 ) -> Optional[Callable[[Optional[torch.Tensor]], Tuple[Reorder, Reorder]]]:
+def token_orders(
+    token_order: str, degree: int, seq_len: int, device, sd: int
+) -> Optional[Callable[[Optional[torch.Tensor]], Tuple[Reorder, Reorder]]]:
     """``None`` when the received order is natural; else ``orders(cu_seqlens)`` ->
     ``(to_natural, to_received)`` reorderings of the sequence dim ``sd`` of the gathered tensors."""
     if token_order == "load_balanced":

@@ -71,8 +71,9 @@ class OverlappedUlysses(torch.autograd.Function):
     def backward(ctx, g):
         routes, group = ctx.routes, ctx.group
         C, qc, kc = routes.C, routes.qc, routes.kc
-        pending = [routes.out.start_grad(None, group, async_op=True, g5=routes.views(g, qc, c))
-                   for c in range(C)]  # 1. every chunk's output gradient goes out at once
+        pending = [
+            routes.out.start_grad(None, group, async_op=True, g5=routes.views(g, qc, c)) for c in range(C)
+        ]  # 1. every chunk's output gradient goes out at once
         dq, dk, dv = g.new_empty(g.shape), g.new_empty(ctx.kv_shape), g.new_empty(ctx.kv_shape)
         back = []
         for c, (recv, work, _) in enumerate(pending):  # 2. chunk c's kernel backward overlaps the others

@@ -115,11 +115,10 @@ class _Block:
         (qs, qn), (ks, kn) = qseg, kseg
         left, right = window
         # hidden entirely: every key beyond every query's right reach, or before its left reach
-        self.skip = (right is not None and ks > qs + qn - 1 + right) or \
-                    (left is not None and ks + kn - 1 < qs - left)
+        self.skip = (right is not None and ks > qs + qn - 1 + right) or (left is not None and ks + kn - 1 < qs - left)
         self.docs = None
         if docs is not None:  # packed documents: positions of different documents never meet
-            qd, kd = docs[qs:qs + qn], docs[ks:ks + kn]
+            qd, kd = docs[qs : qs + qn], docs[ks : ks + kn]
             self.skip = self.skip or bool(kd[-1] < qd[0]) or bool(kd[0] > qd[-1])
             if not (qd[0] == qd[-1] == kd[0] == kd[-1]):
                 self.docs = (qd, kd)
@@ -144,7 +143,7 @@ class _Block:
             return False
         if not self.windowed:
             return True
-        return (not self.cut_left and self.window[1] == 0 and self.qs == self.ks and self.qn == self.kn)
+        return not self.cut_left and self.window[1] == 0 and self.qs == self.ks and self.qn == self.kn
 
     def scores(self, q, k):
         """``q [b, hk, g, qn, d]``, ``k [b, hk, 1, kn, d]`` -> ``[b, hk, g, qn, kn]``, -inf where masked."""
@@ -187,8 +186,9 @@ def _expand4(t, g):
 def _fused_forward(q, k, v, blk):
     """One block through torch's fused CPU flash kernel: (out, lse) like the matmul path."""
     b, hk, g, n, d = q.shape
-    out, lse = _CPU_FLASH(q.reshape(b, hk * g, n, d), _expand4(k, g), _expand4(v, g), 0.0, blk.windowed,
-                          scale=blk.scale)
+    out, lse = _CPU_FLASH(
+        q.reshape(b, hk * g, n, d), _expand4(k, g), _expand4(v, g), 0.0, blk.windowed, scale=blk.scale
+    )
     return out.view(b, hk, g, n, d), lse.view(b, hk, g, n)
 
 
@@ -196,11 +196,23 @@ def _fused_backward(do, q, k, v, out, lse, blk):
     """Gradients of one block given the *final* out and lse (exact for a block of a ring)."""
     b, hk, g, n, d = q.shape
     flat = lambda t: t.reshape(b, hk * g, *t.shape[3:])  # noqa: E731
-    gq, gk, gv = _CPU_FLASH_BWD(flat(do), flat(q), _expand4(k, g), _expand4(v, g), flat(out),
-                                flat(lse).contiguous(), 0.0, blk.windowed, scale=blk.scale)
+    gq, gk, gv = _CPU_FLASH_BWD(
+        flat(do),
+        flat(q),
+        _expand4(k, g),
+        _expand4(v, g),
+        flat(out),
+        flat(lse).contiguous(),
+        0.0,
+        blk.windowed,
+        scale=blk.scale,
+    )
     kn = k.shape[3]
-    return (gq.view(b, hk, g, n, d), gk.view(b, hk, g, kn, d).sum(2, keepdim=True),
-            gv.view(b, hk, g, kn, d).sum(2, keepdim=True))
+    return (
+        gq.view(b, hk, g, n, d),
+        gk.view(b, hk, g, kn, d).sum(2, keepdim=True),
+        gv.view(b, hk, g, kn, d).sum(2, keepdim=True),
+    )
 
 
 def _heads5(t: torch.Tensor, hk: int, g: int) -> torch.Tensor:
@@ -231,6 +243,30 @@ def _safe_exp_diff(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def _ring_size(group) -> Tuple[int, int]:
     return (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
+
+
+def _block_grads(blk, rq, rk, tensors, scale, fused_ok: bool):
+    """(dq, dk, dv) of one (query segment, key segment) block, given the final out and lse."""
+    qa, ka, va, do, out, lse, D = tensors
+    if fused_ok and blk.fused(qa, True):  # the fused kernel's backward, fed the final out and lse
+        return _fused_backward(
+            do[..., rq, :], qa[..., rq, :], ka[..., rk, :], va[..., rk, :], out[..., rq, :], lse[..., rq], blk
+        )
+    # 2. recompute probabilities with the final lse
+    p = _safe_exp_diff(blk.scores(qa[..., rq, :], ka[..., rk, :]), lse[..., rq, None])
+    # 3. dV = P^T dO ; dP = dO V^T ; dS = P (dP - D)
+    gv = torch.matmul(p.transpose(-1, -2), do[..., rq, :]).sum(2, keepdim=True)
+    ds = p * (torch.matmul(do[..., rq, :], va[..., rk, :].transpose(-1, -2)) - D[..., rq, None])
+    # 4. dQ = dS K * scale ; dK = dS^T Q * scale (summed over the query group)
+    gq = torch.matmul(ds, ka[..., rk, :]) * scale
+    gk = (torch.matmul(ds.transpose(-1, -2), qa[..., rq, :]) * scale).sum(2, keepdim=True)
+    return gq, gk, gv
+
+
+def _sink_grad(sink, qa, lse, D):
+    """The sink column: p = exp(sink - lse), dP = dO . 0 = 0, so dS = -p D (this rank's rows)."""
+    s5 = sink.detach().to(qa.dtype).view(1, *qa.shape[1:3], 1)
+    return -(_safe_exp_diff(s5.expand_as(lse), lse) * D).sum((0, 3)).reshape(-1).to(sink.dtype)
 
 
 class LseAttention(torch.autograd.Function):
@@ -267,8 +303,10 @@ class LseAttention(torch.autograd.Function):
                     p = _safe_exp_diff(s, b_lse[..., None])
                     b_out = torch.matmul(p, va[..., rk, :])
                 new = torch.logaddexp(lse[..., rq], b_lse)
-                out[..., rq, :] = (out[..., rq, :] * _safe_exp_diff(lse[..., rq], new)[..., None]
-                                   + b_out * _safe_exp_diff(b_lse, new)[..., None])
+                out[..., rq, :] = (
+                    out[..., rq, :] * _safe_exp_diff(lse[..., rq], new)[..., None]
+                    + b_out * _safe_exp_diff(b_lse, new)[..., None]
+                )
                 lse[..., rq] = new
             _wait(work)
             if recv is not None:
@@ -287,8 +325,14 @@ class LseAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, sink, out, lse = ctx.saved_tensors
-        group, window, scale, seq_len, order, tile = (ctx.group, ctx.window, ctx.scale, ctx.seq_len,
-                                                      ctx.token_order, ctx.tile)
+        group, window, scale, seq_len, order, tile = (
+            ctx.group,
+            ctx.window,
+            ctx.scale,
+            ctx.seq_len,
+            ctx.token_order,
+            ctx.tile,
+        )
         C, me = _ring_size(group)
         acc = out.dtype
         d, same = k.shape[-1], k.shape[-1] == v.shape[-1]
@@ -311,23 +355,10 @@ class LseAttention(torch.autograd.Function):
             dk, dv = dkv[..., :d], dkv[..., d:]
             k_segs = tile_segments(ring_segments(src, C, seq_len, order), tile)
             for blk, rq, rk in _blocks(my_segs, k_segs, window, scale, ctx.mask, ctx.bias, ctx.docs):
-                if fused_ok and blk.fused(qa, same):  # the fused kernel's backward, fed the final out and lse
-                    gq, gk, gv = _fused_backward(do[..., rq, :], qa[..., rq, :], ka[..., rk, :],
-                                                 va[..., rk, :], out[..., rq, :], lse[..., rq], blk)
-                    dq[..., rq, :] += gq
-                    dk[..., rk, :] += gk
-                    dv[..., rk, :] += gv
-                    continue
-                # 2. recompute probabilities with the final lse
-                s = blk.scores(qa[..., rq, :], ka[..., rk, :])
-                p = _safe_exp_diff(s, lse[..., rq, None])
-                # 3. dV += P^T dO ; dP = dO V^T ; dS = P (dP - D)
-                dv[..., rk, :] += torch.matmul(p.transpose(-1, -2), do[..., rq, :]).sum(2, keepdim=True)
-                dp = torch.matmul(do[..., rq, :], va[..., rk, :].transpose(-1, -2))
-                ds = p * (dp - D[..., rq, None])
-                # 4. dQ += dS K * scale ; dK += dS^T Q * scale (summed over the query group)
-                dq[..., rq, :] += torch.matmul(ds, ka[..., rk, :]) * scale
-                dk[..., rk, :] += (torch.matmul(ds.transpose(-1, -2), qa[..., rq, :]) * scale).sum(2, keepdim=True)
+                gq, gk, gv = _block_grads(blk, rq, rk, (qa, ka, va, do, out, lse, D), scale, fused_ok and same)
+                dq[..., rq, :] += gq
+                dk[..., rk, :] += gk
+                dv[..., rk, :] += gv
             if C == 1:
                 incoming = (dkv, None)
                 break
@@ -342,13 +373,8 @@ class LseAttention(torch.autograd.Function):
                 kv = recv_kv
         _wait(incoming[1])
         dkv = incoming[0]
-        dsink = None
-        if sink is not None and ctx.needs_input_grad[3]:
-            # the sink column: p = exp(sink - lse), dP = dO . 0 = 0, so dS = -p D (this rank's rows)
-            s5 = sink.detach().to(acc).view(1, *qa.shape[1:3], 1)
-            dsink = -(_safe_exp_diff(s5.expand_as(lse), lse) * D).sum((0, 3)).reshape(-1).to(sink.dtype)
-        return (dq.to(q.dtype), dkv[..., :d].to(k.dtype), dkv[..., d:].to(v.dtype), dsink,
-                None, None, None, None, None, None, None, None, None)
+        dsink = _sink_grad(sink, qa, lse, D) if sink is not None and ctx.needs_input_grad[3] else None
+        return (dq.to(q.dtype), dkv[..., :d].to(k.dtype), dkv[..., d:].to(v.dtype), dsink) + (None,) * 9
 
 
 def ring_attention(
@@ -385,9 +411,12 @@ def ring_attention(
         token_order = "contiguous"
     S = q.shape[sd] * C
     hq, hk, d = q.shape[2], k.shape[2], q.shape[3]
-    scale = softmax_scale if softmax_scale is not None else d ** -0.5
-    to5 = (lambda t, h, g: t.permute(1, 2, 0, 3).unflatten(1, (h, g))) if layout == "sbhd" else \
-          (lambda t, h, g: t.transpose(1, 2).unflatten(1, (h, g)))
+    scale = softmax_scale if softmax_scale is not None else d**-0.5
+    to5 = (
+        (lambda t, h, g: t.permute(1, 2, 0, 3).unflatten(1, (h, g)))
+        if layout == "sbhd"
+        else (lambda t, h, g: t.transpose(1, 2).unflatten(1, (h, g)))
+    )
     q5, k5, v5 = to5(q, hk, hq // hk), to5(k, hk, 1), to5(v, hk, 1)
     docs = None
     if cu_seqlens is not None:
@@ -395,8 +424,9 @@ def ring_attention(
     window = attention_window(causal, window_size)
     if tile is None and has_window(window_size):
         tile = LSE_TILE
-    out, lse = LseAttention.apply(q5, k5, v5, softmax_offset, group, window, scale, S, token_order,
-                                  attention_mask, attention_bias, docs, tile)
+    out, lse = LseAttention.apply(
+        q5, k5, v5, softmax_offset, group, window, scale, S, token_order, attention_mask, attention_bias, docs, tile
+    )
     out, lse = out.flatten(1, 2), lse.flatten(1, 2)  # [b, hq, Sq, dv], [b, hq, Sq]
     if layout == "sbhd":
         out, lse = out.permute(2, 0, 1, 3), lse.permute(2, 0, 1)

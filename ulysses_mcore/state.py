@@ -16,8 +16,8 @@ from typing import Any, Optional
 @dataclass
 class _Registry:
     ulysses_group: Any = None  # None: degree 1
-    ring_group: Any = None     # None: no ring
-    topology: Any = None       # a ulysses_mcore.Topology, when the builder knew the whole world
+    ring_group: Any = None  # None: no ring
+    topology: Any = None  # a ulysses_mcore.Topology, when the builder knew the whole world
     pg_collection: Any = None  # cached Megatron ProcessGroupCollection (the adapter fills it)
 
 

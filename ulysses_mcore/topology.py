@@ -80,6 +80,14 @@ class Topology:
             if not isinstance(val, (int, np.integer)) or isinstance(val, bool) or val < 1:
                 flag = FLAGS.get(name, name)
                 raise TopologyError(f"{flag} must be an integer >= 1, got {val!r}")
+        tokens = self._axis_order(degrees)
+        dp = self._data_parallel(tokens)
+        object.__setattr__(self, "order", "-".join(tokens))
+        object.__setattr__(self, "dp", dp)
+        object.__setattr__(self, "axes", tuple(tokens))
+
+    def _axis_order(self, degrees) -> list:
+        """``order`` as a full list of axes (missing ones of degree 1 appended), or the error."""
         tokens = [t.strip() for t in self.order.lower().split("-")]
         unknown = [t for t in tokens if t not in AXES]
         if unknown:
@@ -101,6 +109,10 @@ class Topology:
                 f"order {self.order!r}: 'cp' must come right after 'ulysses' (Ulysses is the inner, "
                 "contiguous level of Megatron's context-parallel axis), e.g. tp-ulysses-cp-ep-dp-pp"
             )
+        return tokens
+
+    def _data_parallel(self, tokens) -> int:
+        """The derived data-parallel size, or the error naming the degrees that do not fit."""
         model = self.tp * self.ulysses * self.cp * self.pp
         if self.world_size % model:
             raise TopologyError(
@@ -113,16 +125,13 @@ class Topology:
                 f"tp({self.tp}) * ep({self.ep}) * pp({self.pp}) = {expert} does not divide "
                 f"WORLD_SIZE({self.world_size}): change {FLAGS['ep']}"
             )
-        dp = self.world_size // model
-        edp = self.world_size // expert
+        dp, edp = self.world_size // model, self.world_size // expert
         if not (tokens[-1] == "pp" or self.pp == 1 or edp == dp):
             raise TopologyError(
                 f"order {self.order!r}: with pp({self.pp}) > 1 not last, Megatron needs the expert "
                 f"data-parallel size ({edp}) to equal the data-parallel size ({dp}); put 'pp' last"
             )
-        object.__setattr__(self, "order", "-".join(tokens))
-        object.__setattr__(self, "dp", dp)
-        object.__setattr__(self, "axes", tuple(tokens))
+        return dp
 
     # ------------------------------------------------------------------ sizes
     @property

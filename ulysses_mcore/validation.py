@@ -39,7 +39,7 @@ class TensorSig:
     requires_grad: bool = False
 
     @staticmethod
-    def of(t) -> Optional["TensorSig"]:
+    def of(t) -> Optional[TensorSig]:
         if t is None:
             return None
         if not isinstance(t, torch.Tensor):
@@ -51,10 +51,10 @@ class TensorSig:
 class CallRecord:
     """One rank's view of one call, compared field by field across ranks."""
 
-    problem: str                    # this rank's own problem ("" = none): it travels to every rank
+    problem: str  # this rank's own problem ("" = none): it travels to every rank
     layout: str
     backend: str
-    causal: Any                     # must be a bool (a problem otherwise)
+    causal: Any  # must be a bool (a problem otherwise)
     query: TensorSig
     key: TensorSig
     value: TensorSig
@@ -67,8 +67,8 @@ class CallRecord:
     degree: int
     ring: int
     cu_seqlens: Optional[Tuple[int, ...]]  # the global document boundaries, in full
-    seqlens: Optional[Tuple[int, ...]]     # real lengths when documents are padded (THD), else None
-    window_size: Any = None                # (left, right) or None
+    seqlens: Optional[Tuple[int, ...]]  # real lengths when documents are padded (THD), else None
+    window_size: Any = None  # (left, right) or None
     softmax_offset: Optional[TensorSig] = None
     return_lse: Any = False
 
@@ -84,119 +84,196 @@ def _int_list(t) -> Optional[Tuple[int, ...]]:
     return tuple(t.detach().to("cpu", torch.int64).tolist())  # first call of a signature only
 
 
-def _local_problem(q, k, v, o: Dict[str, Any], degree: int, ring: int) -> str:
-    """What is wrong with this rank's inputs alone ("" if nothing)."""
-    layout, backend = o["layout"], o["backend"]
-    thd = layout == "thd"
-    if not isinstance(layout, str) or layout not in LAYOUTS + ("thd",):
-        return f"layout={layout!r} is unknown: use 'sbhd' ([s, b, h, d], Megatron's), 'bshd' or 'thd' (packed)"
-    if not isinstance(o["causal"], bool):
-        return f"causal must be True or False, got {o['causal']!r}"
-    if not callable(backend) and backend not in BUILTIN_BACKENDS:
-        return (f"backend={backend!r} is unknown: use one of {list(BUILTIN_BACKENDS)} or a callable "
-                "(q, k, v, *, causal, softmax_scale) -> out")
-    err = backend_error(backend)
-    if err:
-        return err
-    want = 3 if thd else 4
-    shape_names = "[t, h, d]" if thd else f"[{','.join(layout)}]"
-    for name, t in (("query", q), ("key", k), ("value", v)):
+def _dtype(t) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
+class _Call:
+    """One rank's call as the checks read it (``o``: the options, tensors and caller's checks by name)."""
+
+    def __init__(self, q, k, v, o: Dict[str, Any], degree: int, ring: int):
+        self.q, self.k, self.v, self.o, self.degree, self.ring = q, k, v, o, degree, ring
+        self.layout, self.backend = o["layout"], o["backend"]
+        self.thd = self.layout == "thd"
+        self.names = "[t, h, d]" if self.thd else f"[{','.join(str(self.layout))}]"
+
+    @property
+    def hdim(self) -> int:
+        return self.q.dim() - 2
+
+    @property
+    def mla(self) -> bool:
+        return self.v.shape[-1] != self.q.shape[-1]
+
+
+# --- each check: the first problem of one concern, or "" (run in this order, first problem wins)
+def _flags_problem(c: _Call) -> str:
+    if not isinstance(c.layout, str) or c.layout not in LAYOUTS + ("thd",):
+        return f"layout={c.layout!r} is unknown: use 'sbhd' ([s, b, h, d], Megatron's), 'bshd' or 'thd' (packed)"
+    if not isinstance(c.o["causal"], bool):
+        return f"causal must be True or False, got {c.o['causal']!r}"
+    if not callable(c.backend) and c.backend not in BUILTIN_BACKENDS:
+        return (
+            f"backend={c.backend!r} is unknown: use one of {list(BUILTIN_BACKENDS)} or a callable "
+            "(q, k, v, *, causal, softmax_scale) -> out"
+        )
+    return backend_error(c.backend) or ""
+
+
+def _tensor_problem(c: _Call) -> str:
+    want = 3 if c.thd else 4
+    for name, t in (("query", c.q), ("key", c.k), ("value", c.v)):
         if not isinstance(t, torch.Tensor):
             return f"{name} must be a torch.Tensor, got {type(t).__name__}"
         if not t.is_floating_point():
-            return f"{name} must be a floating-point tensor, got {str(t.dtype).replace('torch.', '')}"
+            return f"{name} must be a floating-point tensor, got {_dtype(t)}"
         if t.dim() != want:
-            hint = " (for [s, b, h, d] use layout='sbhd')" if thd else (" (packed [t, h, d]: layout='thd')"
-                                                                       if t.dim() == 3 else "")
-            return f"{name} must be a {want}-D {shape_names} tensor for layout={layout!r}; it is {t.dim()}-D{hint}"
+            hint = (
+                " (for [s, b, h, d] use layout='sbhd')"
+                if c.thd
+                else (" (packed [t, h, d]: layout='thd')" if t.dim() == 3 else "")
+            )
+            return f"{name} must be a {want}-D {c.names} tensor for layout={c.layout!r}; it is {t.dim()}-D{hint}"
+    q, k, v = c.q, c.k, c.v
     if len({q.dtype, k.dtype, v.dtype}) > 1:
-        names = ", ".join(str(t.dtype).replace("torch.", "") for t in (q, k, v))
-        return f"query, key and value must share one dtype; they are {names}: cast them to one dtype"
+        return (
+            f"query, key and value must share one dtype; they are {', '.join(_dtype(t) for t in (q, k, v))}: "
+            "cast them to one dtype"
+        )
     if len({q.device.type, k.device.type, v.device.type}) > 1:
-        return (f"query, key and value must be on one device; they are on {q.device.type}, {k.device.type}, "
-                f"{v.device.type}: move them to one device")
-    sdim = seq_dim(layout)
-    hdim = q.dim() - 2
-    checks = [(sdim, "sequence size")] + ([] if thd else [(1 - sdim, "batch size")])
-    for dim, what in checks:
+        return (
+            f"query, key and value must be on one device; they are on {q.device.type}, {k.device.type}, "
+            f"{v.device.type}: move them to one device"
+        )
+    return ""
+
+
+def _shape_problem(c: _Call) -> str:
+    q, k, v, sdim, hdim = c.q, c.k, c.v, seq_dim(c.layout), c.hdim
+    for dim, what in [(sdim, "sequence size")] + ([] if c.thd else [(1 - sdim, "batch size")]):
         vals = (q.shape[dim], k.shape[dim], v.shape[dim])
         if len(set(vals)) > 1:
-            return f"query, key and value disagree in {what} (dim {dim} of {shape_names}): {vals[0]}, {vals[1]}, {vals[2]}"
+            return f"query, key and value disagree in {what} (dim {dim} of {c.names}): {vals[0]}, {vals[1]}, {vals[2]}"
     if q.shape[-1] != k.shape[-1]:
-        return (f"query and key disagree in head dim (dim {hdim + 1} of {shape_names}): {q.shape[-1]}, {k.shape[-1]} "
-                f"(value's may differ, as in multi-latent attention; query's and key's must match)")
-    mla = v.shape[-1] != q.shape[-1]
-    if mla and backend == "flash" and importlib.util.find_spec("flash_attn_interface") is None:
-        return (f"value head dim {v.shape[-1]} differs from the query/key head dim {q.shape[-1]} (multi-latent "
-                "attention), which flash-attn 2 cannot run: use backend='sdpa' or 'te', or install flash-attn 3")
+        return (
+            f"query and key disagree in head dim (dim {hdim + 1} of {c.names}): {q.shape[-1]}, {k.shape[-1]} "
+            f"(value's may differ, as in multi-latent attention; query's and key's must match)"
+        )
+    if c.mla and c.backend == "flash" and importlib.util.find_spec("flash_attn_interface") is None:
+        return (
+            f"value head dim {v.shape[-1]} differs from the query/key head dim {q.shape[-1]} (multi-latent "
+            "attention), which flash-attn 2 cannot run: use backend='sdpa' or 'te', or install flash-attn 3"
+        )
     if k.shape[hdim] != v.shape[hdim]:
         return f"key and value must have the same number of heads: {k.shape[hdim]} and {v.shape[hdim]}"
     if q.shape[sdim] < 1:
         return "the sequence shard is empty (length 0): every rank needs at least one token"
-    expected = o.get("expected_heads")
-    if expected is not None and (q.shape[hdim], k.shape[hdim]) != expected:
-        return (f"the module was built for {expected[0]} query / {expected[1]} kv heads per tensor-parallel rank "
-                f"but got {q.shape[hdim]} / {k.shape[hdim]}: build it with the model's config")
-    err = head_layout_error(q.shape[hdim], k.shape[hdim], degree)
-    if err:
-        return f"{err} (heads are dim {hdim} of {shape_names})"
-    chunks = o["overlap_chunks"]
-    if degree > 1 and chunks != 1 and (mla or o.get("return_lse")):
-        return (f"overlap_chunks={chunks} takes one head dim and no return_lse: use overlap_chunks=1 with "
-                "value heads of another size or return_lse=True")
-    if degree > 1 and (not isinstance(chunks, int) or chunks != 1):
-        if not is_even(q.shape[hdim], k.shape[hdim], degree):
-            return f"overlap_chunks={chunks} needs heads that divide evenly over the degree {degree}"
-        err = overlap_error(q.shape[hdim], k.shape[hdim], degree, chunks)
-        if err:
-            return err
+    return ""
+
+
+def _heads_problem(c: _Call) -> str:
+    hq, hk = c.q.shape[c.hdim], c.k.shape[c.hdim]
+    expected = c.o.get("expected_heads")
+    if expected is not None and (hq, hk) != expected:
+        return (
+            f"the module was built for {expected[0]} query / {expected[1]} kv heads per tensor-parallel rank "
+            f"but got {hq} / {hk}: build it with the model's config"
+        )
+    err = head_layout_error(hq, hk, c.degree)
+    return f"{err} (heads are dim {c.hdim} of {c.names})" if err else ""
+
+
+def _overlap_problem(c: _Call) -> str:
+    chunks, degree = c.o["overlap_chunks"], c.degree
+    if degree <= 1 or (isinstance(chunks, int) and chunks == 1):
+        return ""
+    if chunks != 1 and (c.mla or c.o.get("return_lse")):
+        return (
+            f"overlap_chunks={chunks} takes one head dim and no return_lse: use overlap_chunks=1 with "
+            "value heads of another size or return_lse=True"
+        )
+    hq, hk = c.q.shape[c.hdim], c.k.shape[c.hdim]
+    if not is_even(hq, hk, degree):
+        return f"overlap_chunks={chunks} needs heads that divide evenly over the degree {degree}"
+    return overlap_error(hq, hk, degree, chunks) or ""
+
+
+def _mask_problem(c: _Call) -> str:
     for name in ("attention_mask", "attention_bias"):
-        t = o.get(name)
+        t = c.o.get(name)
         if t is None:
             continue
         if not isinstance(t, torch.Tensor):
             return f"{name} must be a torch.Tensor or None, got {type(t).__name__}"
         if name == "attention_mask" and t.dtype != torch.bool:
-            return (f"attention_mask must be a bool tensor (True = masked, Megatron's convention), got "
-                    f"{str(t.dtype).replace('torch.', '')}: pass mask.bool() if 1 means masked, ~mask.bool() if 1 means keep")
+            return (
+                f"attention_mask must be a bool tensor (True = masked, Megatron's convention), got {_dtype(t)}: "
+                "pass mask.bool() if 1 means masked, ~mask.bool() if 1 means keep"
+            )
         if name == "attention_bias" and not t.is_floating_point():
-            return f"attention_bias must be floating point (added to the scores), got {str(t.dtype).replace('torch.', '')}"
-        if thd:
-            return (f"layout='thd' takes no {name}: documents are separated by cu_seqlens; "
-                    "unpack to 'sbhd' for arbitrary masks")
-    scale, p = o["softmax_scale"], o["dropout_p"]
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)):
+            return f"attention_bias must be floating point (added to the scores), got {_dtype(t)}"
+        if c.thd:
+            return (
+                f"layout='thd' takes no {name}: documents are separated by cu_seqlens; "
+                "unpack to 'sbhd' for arbitrary masks"
+            )
+    return ""
+
+
+def _scalar_problem(c: _Call) -> str:
+    scale, p = c.o["softmax_scale"], c.o["dropout_p"]
+    if scale is not None and (
+        isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)
+    ):
         return f"softmax_scale must be a finite number or None, got {scale!r}"
     if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
         return f"dropout_p must be a number in [0, 1], got {p!r}"
-    if o["token_order"] not in TOKEN_ORDERS:
-        return f"token_order={o['token_order']!r} is unknown: use one of {list(TOKEN_ORDERS)}"
-    return _variant_problem(q, o, ring) or _packed_problem(q, o, degree, ring)
+    if c.o["token_order"] not in TOKEN_ORDERS:
+        return f"token_order={c.o['token_order']!r} is unknown: use one of {list(TOKEN_ORDERS)}"
+    return ""
 
 
-def _variant_problem(q, o, ring) -> str:
-    """Sliding window, attention sinks and the log-sum-exp output: values and backend support."""
-    window, offset, lse, backend = o.get("window_size"), o.get("softmax_offset"), o.get("return_lse", False), o["backend"]
-    if window is not None:
-        ok = isinstance(window, (tuple, list)) and len(window) == 2 and all(
-            isinstance(x, int) and not isinstance(x, bool) and x >= -1 for x in window)
-        if not ok:
-            return (f"window_size must be a pair (left, right) of ints >= -1 (-1: unbounded), got {window!r}: "
-                    "e.g. window_size=(4096, 0) for causal sliding-window attention")
+def _window_value_problem(c: _Call) -> str:
+    window = c.o.get("window_size")
+    if window is not None and not (
+        isinstance(window, (tuple, list))
+        and len(window) == 2
+        and all(isinstance(x, int) and not isinstance(x, bool) and x >= -1 for x in window)
+    ):
+        return (
+            f"window_size must be a pair (left, right) of ints >= -1 (-1: unbounded), got {window!r}: "
+            "e.g. window_size=(4096, 0) for causal sliding-window attention"
+        )
+    return ""
+
+
+def _sinks_value_problem(c: _Call) -> str:
+    """Attention sinks and the log-sum-exp flag: their values."""
+    offset, lse = c.o.get("softmax_offset"), c.o.get("return_lse", False)
     if offset is not None:
         if not isinstance(offset, torch.Tensor) or not offset.is_floating_point() or offset.dim() != 1:
-            what = type(offset).__name__ if not isinstance(offset, torch.Tensor) else \
-                f"a {offset.dim()}-D {str(offset.dtype).replace('torch.', '')} tensor"
+            what = (
+                type(offset).__name__
+                if not isinstance(offset, torch.Tensor)
+                else f"a {offset.dim()}-D {_dtype(offset)} tensor"
+            )
             return f"softmax_offset must be a 1-D floating-point tensor of one sink logit per query head, got {what}"
-        hq = q.shape[-2]
-        if offset.shape[0] != hq:
-            return (f"softmax_offset has {offset.shape[0]} entries but query has {hq} heads: one sink logit per "
-                    "query head (of this tensor-parallel rank)")
-        if offset.device.type != q.device.type:
-            return f"softmax_offset is on {offset.device.type} but query on {q.device.type}: move it to one device"
+        if offset.shape[0] != c.q.shape[-2]:
+            return (
+                f"softmax_offset has {offset.shape[0]} entries but query has {c.q.shape[-2]} heads: one sink "
+                "logit per query head (of this tensor-parallel rank)"
+            )
+        if offset.device.type != c.q.device.type:
+            return f"softmax_offset is on {offset.device.type} but query on {c.q.device.type}: move it to one device"
     if not isinstance(lse, bool):
         return f"return_lse must be True or False, got {lse!r}"
-    wants = options_set(window, offset, lse)
+    return ""
+
+
+def _variant_support_problem(c: _Call) -> str:
+    """Which kernels take the variants in use."""
+    o, backend = c.o, c.backend
+    wants = options_set(o.get("window_size"), o.get("softmax_offset"), o.get("return_lse", False))
     if not wants:
         return ""
     if callable(backend):
@@ -205,73 +282,144 @@ def _variant_problem(q, o, ring) -> str:
     if backend in ("flash", "te"):
         other = [n for n in wants if n != "window_size"]
         if other:
-            return (f"{other[0]} is not available with backend={backend!r} (it has the window only): "
-                    "use backend='sdpa' (the tiled log-sum-exp kernel) or a callable that takes it")
-        if backend == "te" and ring > 1:
-            return ("window_size with a ring runs with backend='sdpa' (the log-sum-exp ring skips blocks outside "
-                    "the window), not with Transformer Engine's p2p ring")
+            return (
+                f"{other[0]} is not available with backend={backend!r} (it has the window only): "
+                "use backend='sdpa' (the tiled log-sum-exp kernel) or a callable that takes it"
+            )
+        if backend == "te" and c.ring > 1:
+            return (
+                "window_size with a ring runs with backend='sdpa' (the log-sum-exp ring skips blocks outside "
+                "the window), not with Transformer Engine's p2p ring"
+            )
         return ""
-    # sdpa: the tiled log-sum-exp kernel
+    return _lse_kernel_problem(o, wants[0])
+
+
+def _lse_kernel_problem(o, want: str) -> str:
+    """backend='sdpa' with a variant: the tiled log-sum-exp kernel's limits."""
     if o.get("dropout_p"):
-        return f"dropout_p={o['dropout_p']} does not combine with {wants[0]} (backend='sdpa'): set dropout_p=0"
+        return f"dropout_p={o['dropout_p']} does not combine with {want} (backend='sdpa'): set dropout_p=0"
     bias = o.get("attention_bias")
     if isinstance(bias, torch.Tensor) and bias.requires_grad:
-        return (f"attention_bias requires grad, but with {wants[0]} the kernel treats the bias as a constant: "
-                "pass attention_bias.detach()")
+        return (
+            f"attention_bias requires grad, but with {want} the kernel treats the bias as a constant: "
+            "pass attention_bias.detach()"
+        )
     if o.get("seqlens") is not None:
-        return (f"{wants[0]} does not combine with padding between packed documents (seqlens / "
-                "cu_seqlens_q_padded) on backend='sdpa': pack documents tight (cu_seqlens only)")
+        return (
+            f"{want} does not combine with padding between packed documents (seqlens / "
+            "cu_seqlens_q_padded) on backend='sdpa': pack documents tight (cu_seqlens only)"
+        )
     return ""
 
 
-def _packed_problem(q, o, degree, ring) -> str:
-    cu, thd = o.get("cu_seqlens"), o["layout"] == "thd"
+def _packing_flags_problem(c: _Call) -> str:
+    """Packed sequences asked for consistently (Megatron's record, cu_seqlens, the layout)."""
+    o, cu = c.o, c.o.get("cu_seqlens")
     if o.get("qkv_format") not in (None, "thd"):
         return f"packed_seq_params.qkv_format={o['qkv_format']!r}: packed sequences are supported in 'thd' format only"
     if o.get("qkv_format") == "thd" and cu is None:
-        return ("packed_seq_params needs cu_seqlens_q (global document boundaries of the packed stream); build it "
-                "with ulysses_mcore.megatron.batch.packed_seq_params()")
-    if cu is not None and not thd:
-        return f"cu_seqlens is given but layout={o['layout']!r}: pass layout='thd' for packed sequences"
-    if not thd:
-        if o["token_order"] == "per_document":
-            return "token_order='per_document' is for packed input (layout='thd' with cu_seqlens)"
-        return ""
-    if cu is None:
+        return (
+            "packed_seq_params needs cu_seqlens_q (global document boundaries of the packed stream); build it "
+            "with ulysses_mcore.megatron.batch.packed_seq_params()"
+        )
+    if cu is not None and not c.thd:
+        return f"cu_seqlens is given but layout={c.layout!r}: pass layout='thd' for packed sequences"
+    if not c.thd and o["token_order"] == "per_document":
+        return "token_order='per_document' is for packed input (layout='thd' with cu_seqlens)"
+    if c.thd and cu is None:
         return "layout='thd' needs cu_seqlens (the global document boundaries of the packed stream)"
-    if callable(o["backend"]):
+    if c.thd and callable(c.backend):
         return "layout='thd' needs backend='sdpa', 'flash' or 'te' (varlen kernels), not a callable"
+    return ""
+
+
+def _boundaries_problem(c: _Call) -> str:
+    """The packed stream's document boundaries (``cu_seqlens``, ``cu_seqlens_kv``)."""
+    if not c.thd:
+        return ""
+    o, cu = c.o, c.o["cu_seqlens"]
     vals = _int_list(cu)
     if vals is None or len(vals) < 2:
         return "cu_seqlens must be a 1-D integer tensor [documents + 1]"
     if vals[0] != 0 or any(b < a for a, b in zip(vals, vals[1:])):
-        return (f"cu_seqlens must start at 0 and never decrease (it starts at {vals[0]}): give the cumulative "
-                "document lengths of the whole packed stream")
-    total = q.shape[0] * degree * ring
+        return (
+            f"cu_seqlens must start at 0 and never decrease (it starts at {vals[0]}): give the cumulative "
+            "document lengths of the whole packed stream"
+        )
+    total = c.q.shape[0] * c.degree * c.ring
     if vals[-1] != total:
-        return (f"cu_seqlens ends at {vals[-1]}, but the packed stream is {total} tokens ({q.shape[0]} per rank x "
-                f"{degree * ring} ranks): cu_seqlens must cover the whole global stream; pad the stream to a "
-                "multiple of the degree with a last document")
+        return (
+            f"cu_seqlens ends at {vals[-1]}, but the packed stream is {total} tokens ({c.q.shape[0]} per rank x "
+            f"{c.degree * c.ring} ranks): cu_seqlens must cover the whole global stream; pad the stream to a "
+            "multiple of the degree with a last document"
+        )
     kv = o.get("cu_seqlens_kv")
     if kv is not None and kv is not cu and _int_list(kv) != vals:
-        return ("cu_seqlens_kv must equal cu_seqlens_q for self-attention; build the batch with "
-                "ulysses_mcore.megatron.batch.packed_seq_params()")
-    lens = o.get("seqlens")
-    if lens is not None:
-        real = _int_list(lens)
-        if real is None or len(real) != len(vals) - 1:
-            return f"seqlens (real document lengths) must be a 1-D integer tensor of {len(vals) - 1} entries"
-        if any(n < 0 or n > b - a for n, a, b in zip(real, vals, vals[1:])):
-            return "seqlens: every real document length must be between 0 and its padded length (cu_seqlens)"
-    if o["token_order"] == "per_document":
-        need = 2 * degree * ring
-        if ring > 1:
-            return ("token_order='per_document' (Transformer Engine's THD layout) does not combine with a ring: "
-                    "shard the packed stream with token_order='load_balanced' instead")
-        if any((b - a) % need for a, b in zip(vals, vals[1:])):
-            return (f"token_order='per_document' deals every document out in {need} chunks, so every (padded) "
-                    f"document length must be a multiple of {need}: pad the documents (cu_seqlens_padded), or "
-                    "shard the stream whole with token_order='load_balanced'")
+        return (
+            "cu_seqlens_kv must equal cu_seqlens_q for self-attention; build the batch with "
+            "ulysses_mcore.megatron.batch.packed_seq_params()"
+        )
+    return ""
+
+
+def _seqlens_problem(c: _Call) -> str:
+    """Real document lengths inside padded slots (``seqlens``), against the boundaries."""
+    if not c.thd or c.o.get("seqlens") is None:
+        return ""
+    vals = _int_list(c.o["cu_seqlens"])
+    real = _int_list(c.o["seqlens"])
+    if real is None or len(real) != len(vals) - 1:
+        return f"seqlens (real document lengths) must be a 1-D integer tensor of {len(vals) - 1} entries"
+    if any(n < 0 or n > b - a for n, a, b in zip(real, vals, vals[1:])):
+        return "seqlens: every real document length must be between 0 and its padded length (cu_seqlens)"
+    return ""
+
+
+def _per_document_problem(c: _Call) -> str:
+    if not c.thd or c.o["token_order"] != "per_document":
+        return ""
+    need = 2 * c.degree * c.ring
+    if c.ring > 1:
+        return (
+            "token_order='per_document' (Transformer Engine's THD layout) does not combine with a ring: "
+            "shard the packed stream with token_order='load_balanced' instead"
+        )
+    vals = _int_list(c.o["cu_seqlens"])
+    if any((b - a) % need for a, b in zip(vals, vals[1:])):
+        return (
+            f"token_order='per_document' deals every document out in {need} chunks, so every (padded) "
+            f"document length must be a multiple of {need}: pad the documents (cu_seqlens_padded), or "
+            "shard the stream whole with token_order='load_balanced'"
+        )
+    return ""
+
+
+_LOCAL_CHECKS = (
+    _flags_problem,
+    _tensor_problem,
+    _shape_problem,
+    _heads_problem,
+    _overlap_problem,
+    _mask_problem,
+    _scalar_problem,
+    _window_value_problem,
+    _sinks_value_problem,
+    _variant_support_problem,
+    _packing_flags_problem,
+    _boundaries_problem,
+    _seqlens_problem,
+    _per_document_problem,
+)
+
+
+def _local_problem(q, k, v, o: Dict[str, Any], degree: int, ring: int) -> str:
+    """What is wrong with this rank's inputs alone ("" if nothing): the first problem of the checks."""
+    call = _Call(q, k, v, o, degree, ring)
+    for check in _LOCAL_CHECKS:
+        problem = check(call)
+        if problem:
+            return problem
     return ""
 
 
@@ -279,19 +427,29 @@ def _ring_problem(r: CallRecord) -> str:
     if r.ring <= 1:
         return ""
     if r.backend not in ("sdpa", "te"):
-        return (f"a ring (ring_group of {r.ring} ranks, --context-parallel-size) runs with backend='sdpa' (the "
-                f"log-sum-exp ring) or 'te' (Transformer Engine's p2p ring); got backend={r.backend!r}")
+        return (
+            f"a ring (ring_group of {r.ring} ranks, --context-parallel-size) runs with backend='sdpa' (the "
+            f"log-sum-exp ring) or 'te' (Transformer Engine's p2p ring); got backend={r.backend!r}"
+        )
     if r.dropout_p:
-        return f"attention dropout is not supported with a ring (ring_group of {r.ring} ranks): set --attention-dropout 0"
+        return (
+            f"attention dropout is not supported with a ring (ring_group of {r.ring} ranks): set --attention-dropout 0"
+        )
     if r.bias is not None and r.bias.requires_grad:
-        return ("attention_bias requires grad, but the ring treats the bias as a constant: pass "
-                "attention_bias.detach() or use --context-parallel-size 1")
+        return (
+            "attention_bias requires grad, but the ring treats the bias as a constant: pass "
+            "attention_bias.detach() or use --context-parallel-size 1"
+        )
     if r.seqlens is not None:
-        return ("packed documents with padding between them (cu_seqlens_q != cu_seqlens_q_padded) cannot run with "
-                "a ring: build the batch with ulysses_mcore.megatron.batch.pack_batch + shard_batch")
+        return (
+            "packed documents with padding between them (cu_seqlens_q != cu_seqlens_q_padded) cannot run with "
+            "a ring: build the batch with ulysses_mcore.megatron.batch.pack_batch + shard_batch"
+        )
     if r.backend == "te" and (r.layout == "thd" or r.mask is not None or r.bias is not None):
-        return ("backend='te' with a ring takes causal / no-mask unpacked input only: use backend='sdpa' for "
-                "masks, bias or packed sequences with a ring")
+        return (
+            "backend='te' with a ring takes causal / no-mask unpacked input only: use backend='sdpa' for "
+            "masks, bias or packed sequences with a ring"
+        )
     return ""
 
 
@@ -303,15 +461,26 @@ def describe(query, key, value, *, degree: int = 1, ring: int = 1, **opts) -> Ca
         problem = f"invalid input ({type(ex).__name__}: {ex})"
     o = opts
     rec = CallRecord(
-        problem=problem, layout=str(o["layout"]), backend=_backend_name(o["backend"]), causal=o["causal"],
-        query=TensorSig.of(query), key=TensorSig.of(key), value=TensorSig.of(value),
-        mask=TensorSig.of(o.get("attention_mask")), bias=TensorSig.of(o.get("attention_bias")),
-        softmax_scale=o["softmax_scale"], dropout_p=o["dropout_p"], token_order=str(o["token_order"]),
-        overlap_chunks=o["overlap_chunks"], degree=degree, ring=ring,
+        problem=problem,
+        layout=str(o["layout"]),
+        backend=_backend_name(o["backend"]),
+        causal=o["causal"],
+        query=TensorSig.of(query),
+        key=TensorSig.of(key),
+        value=TensorSig.of(value),
+        mask=TensorSig.of(o.get("attention_mask")),
+        bias=TensorSig.of(o.get("attention_bias")),
+        softmax_scale=o["softmax_scale"],
+        dropout_p=o["dropout_p"],
+        token_order=str(o["token_order"]),
+        overlap_chunks=o["overlap_chunks"],
+        degree=degree,
+        ring=ring,
         cu_seqlens=None if problem else _int_list(o.get("cu_seqlens")),
         seqlens=None if problem else _int_list(o.get("seqlens")),
         window_size=tuple(o["window_size"]) if has_window(o.get("window_size")) and not problem else None,
-        softmax_offset=TensorSig.of(o.get("softmax_offset")), return_lse=o.get("return_lse", False),
+        softmax_offset=TensorSig.of(o.get("softmax_offset")),
+        return_lse=o.get("return_lse", False),
     )
     if not problem:
         problem = _ring_problem(rec) or _full_sequence_problem(rec)
@@ -326,15 +495,19 @@ def _full_sequence_problem(r: CallRecord) -> str:
     b = 1 if r.layout == "thd" else r.query.shape[1 - sdim]
     heads = r.query.shape[-2]
     if r.token_order == "load_balanced" and r.query.shape[sdim] % 2:
-        return (f"token_order='load_balanced' holds 2 chunks per rank, so the tokens per rank must be even; there "
-                f"are {r.query.shape[sdim]}: make the sequence a multiple of {2 * r.degree * r.ring}")
+        return (
+            f"token_order='load_balanced' holds 2 chunks per rank, so the tokens per rank must be even; there "
+            f"are {r.query.shape[sdim]}: make the sequence a multiple of {2 * r.degree * r.ring}"
+        )
     for name, s in (("attention_mask", r.mask), ("attention_bias", r.bias)):
         if s is None:
             continue
         shp = list(s.shape)
         if len(shp) != 4 or any(x not in (1, w) for x, w in zip(shp[:3], (b, heads, seq))) or shp[3] != seq:
-            return (f"{name} must cover the full sequence, shape [b or 1, heads or 1, {seq} or 1, {seq}] (b={b}, "
-                    f"heads={heads}; 1 = broadcast, never expanded); it is {shp if len(shp) == 4 else 'not 4-D'}")
+            return (
+                f"{name} must cover the full sequence, shape [b or 1, heads or 1, {seq} or 1, {seq}] (b={b}, "
+                f"heads={heads}; 1 = broadcast, never expanded); it is {shp if len(shp) == 4 else 'not 4-D'}"
+            )
     return ""
 
 
@@ -345,8 +518,10 @@ def _tokens(r: CallRecord) -> int:
 
 _AGREE = [  # (what the message calls it, the value compared)
     ("layout", lambda r: r.layout),
-    ("tokens per rank (the sequence must be split evenly: pad it to a multiple of the degree with masked "
-     "tokens)", _tokens),
+    (
+        "tokens per rank (the sequence must be split evenly: pad it to a multiple of the degree with masked tokens)",
+        _tokens,
+    ),
     ("query shape", lambda r: list(r.query.shape)),
     ("key/value shape", lambda r: list(r.key.shape)),
     ("dtype", lambda r: r.query.dtype),
@@ -394,8 +569,18 @@ def exchange(rec: CallRecord, group) -> List[CallRecord]:
     return out
 
 
-def check_call(query, key, value, opts: AttentionOptions, tensors: Dict[str, Any], extra: Dict[str, Any],
-               group, ring_group, degree: int, ring: int) -> None:
+def check_call(
+    query,
+    key,
+    value,
+    opts: AttentionOptions,
+    tensors: Dict[str, Any],
+    extra: Dict[str, Any],
+    group,
+    ring_group,
+    degree: int,
+    ring: int,
+) -> None:
     """Raise the same ``ValueError`` on every rank of the Ulysses (x ring) group, or none: this
     rank's record, every rank's records (one ``all_gather_object``, two with a ring), one verdict.
     ``extra``: the caller's own checks (``expected_heads``, ``qkv_format``, ``cu_seqlens_kv``)."""

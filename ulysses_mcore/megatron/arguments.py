@@ -16,8 +16,9 @@ import torch
 
 
 def build_parser(description: str = "") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                allow_abbrev=False)
+    p = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
@@ -25,42 +26,74 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     g.add_argument("--context-parallel-size", type=int, default=1)
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
-    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
-                   help="collective timeout: a dead peer fails the others within it")
+    g.add_argument(
+        "--distributed-timeout-minutes",
+        type=float,
+        default=10.0,
+        help="collective timeout: a dead peer fails the others within it",
+    )
     g = p.add_argument_group("model")
     g.add_argument("--num-layers", type=int, default=2)
     g.add_argument("--hidden-size", type=int, default=64)
     g.add_argument("--ffn-hidden-size", type=int, default=None)
     g.add_argument("--num-attention-heads", type=int, default=4)
-    g.add_argument("--group-query-attention", action="store_true",
-                   help="grouped-query attention with --num-query-groups KV heads (1 if not given)")
-    g.add_argument("--num-query-groups", type=int, default=None,
-                   help="KV heads (implies --group-query-attention here; Megatron-LM needs both)")
+    g.add_argument(
+        "--group-query-attention",
+        action="store_true",
+        help="grouped-query attention with --num-query-groups KV heads (1 if not given)",
+    )
+    g.add_argument(
+        "--num-query-groups",
+        type=int,
+        default=None,
+        help="KV heads (implies --group-query-attention here; Megatron-LM needs both)",
+    )
     g.add_argument("--seq-length", type=int, default=256)
     g.add_argument("--max-position-embeddings", type=int, default=None)
     g.add_argument("--position-embedding-type", choices=["rope", "learned_absolute"], default="rope")
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
-    g.add_argument("--swiglu", action="store_true",
-                   help="SwiGLU MLP (ffn default int(8h/3 / 64) * 64, as Megatron-LM)")
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
-                   help="separate output layer (default: tied to the input embedding, as Megatron-LM)")
+    g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (ffn default int(8h/3 / 64) * 64, as Megatron-LM)")
+    g.add_argument(
+        "--untie-embeddings-and-output-weights",
+        action="store_true",
+        help="separate output layer (default: tied to the input embedding, as Megatron-LM)",
+    )
     g.add_argument("--disable-bias-linear", action="store_true", help="no biases in the linear layers")
     g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--attention-dropout", type=float, default=0.0,
-                   help="default 0 here (Megatron-LM: 0.1); dropout masks depend on the layout")
+    g.add_argument(
+        "--attention-dropout",
+        type=float,
+        default=0.0,
+        help="default 0 here (Megatron-LM: 0.1); dropout masks depend on the layout",
+    )
     g.add_argument("--hidden-dropout", type=float, default=0.0, help="default 0 here (Megatron-LM: 0.1)")
-    g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local",
-                   help="Megatron-Core's local spec (plain torch, CPU) or Transformer Engine's (GPU)")
-    g.add_argument("--use-mcore-models", action="store_true", help="accepted for Megatron-LM command lines; "
-                   "the model is always Megatron-Core's GPTModel")
+    g.add_argument(
+        "--transformer-impl",
+        choices=["local", "transformer_engine"],
+        default="local",
+        help="Megatron-Core's local spec (plain torch, CPU) or Transformer Engine's (GPU)",
+    )
+    g.add_argument(
+        "--use-mcore-models",
+        action="store_true",
+        help="accepted for Megatron-LM command lines; the model is always Megatron-Core's GPTModel",
+    )
     g.add_argument("--attention-backend", choices=["auto", "sdpa", "flash", "te"], default="auto")
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
-    g.add_argument("--loss-chunk-tokens", type=int, default=None,
-                   help="compute the output layer and cross-entropy this many tokens at a time: at most one "
-                        "chunk's logits [C, vocab/tp] exist (default: off, Megatron's whole logits)")
-    g.add_argument("--mlp-chunk-tokens", type=int, default=None,
-                   help="run each MLP over this many tokens at a time, recomputing the chunk's "
-                        "intermediates in backward: no whole [tokens, ffn/tp] intermediate (default: off)")
+    g.add_argument(
+        "--loss-chunk-tokens",
+        type=int,
+        default=None,
+        help="compute the output layer and cross-entropy this many tokens at a time: at most one "
+        "chunk's logits [C, vocab/tp] exist (default: off, Megatron's whole logits)",
+    )
+    g.add_argument(
+        "--mlp-chunk-tokens",
+        type=int,
+        default=None,
+        help="run each MLP over this many tokens at a time, recomputing the chunk's "
+        "intermediates in backward: no whole [tokens, ffn/tp] intermediate (default: off)",
+    )
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g = p.add_argument_group("training")
@@ -71,24 +104,35 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     g.add_argument("--min-lr", type=float, default=3e-4)
     g.add_argument("--lr-warmup-iters", type=int, default=3)
     g.add_argument("--clip-grad", type=float, default=1.0)
-    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root"],
-                   default="linear")
+    g.add_argument(
+        "--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root"], default="linear"
+    )
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--on-nan", choices=["stop", "skip"], default="stop",
-                   help="NaN/Inf in loss or gradients: stop the run, or skip that update")
+    g.add_argument(
+        "--on-nan",
+        choices=["stop", "skip"],
+        default="stop",
+        help="NaN/Inf in loss or gradients: stop the run, or skip that update",
+    )
     g = p.add_argument_group("data")
     g.add_argument("--data-path", default=None, help="prefix of a .bin/.idx indexed dataset")
     g.add_argument("--split", default="98,2,0")
     g.add_argument("--tokenizer-type", choices=["ByteTokenizer"], default="ByteTokenizer")
-    g.add_argument("--reset-attention-mask", action="store_true",
-                   help="documents (split at EOD) do not attend to each other: each micro-batch is packed "
-                        "into one THD stream with cu_seqlens (no [s, s] mask is ever built)")
-    g.add_argument("--reset-position-ids", action="store_true",
-                   help="position ids restart after each EOD (learned absolute embeddings; RoPE is relative)")
+    g.add_argument(
+        "--reset-attention-mask",
+        action="store_true",
+        help="documents (split at EOD) do not attend to each other: each micro-batch is packed "
+        "into one THD stream with cu_seqlens (no [s, s] mask is ever built)",
+    )
+    g.add_argument(
+        "--reset-position-ids",
+        action="store_true",
+        help="position ids restart after each EOD (learned absolute embeddings; RoPE is relative)",
+    )
     g = p.add_argument_group("checkpointing and logging")
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
@@ -97,48 +141,92 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     g.add_argument("--eval-iters", type=int, default=2)
     g.add_argument("--log-interval", type=int, default=1)
     g.add_argument("--log-dir", default=None, help="CSV metrics go here (default: --save or runs/)")
-    g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler", action="store_true",
-                   dest="override_opt_param_scheduler",
-                   help="on --load, use this command line's learning-rate schedule (--lr, --min-lr, --train-iters, "
-                        "--lr-warmup-iters, ...) instead of the checkpoint's")
-    g.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
-                   action="store_true", dest="use_checkpoint_opt_param_scheduler",
-                   help="on --load, keep the checkpoint's learning-rate schedule (without either flag a "
-                        "difference is an error, as in Megatron-LM)")
+    g.add_argument(
+        "--override-opt_param-scheduler",
+        "--override-opt-param-scheduler",
+        action="store_true",
+        dest="override_opt_param_scheduler",
+        help="on --load, use this command line's learning-rate schedule (--lr, --min-lr, --train-iters, "
+        "--lr-warmup-iters, ...) instead of the checkpoint's",
+    )
+    g.add_argument(
+        "--use-checkpoint-opt_param-scheduler",
+        "--use-checkpoint-opt-param-scheduler",
+        action="store_true",
+        dest="use_checkpoint_opt_param_scheduler",
+        help="on --load, keep the checkpoint's learning-rate schedule (without either flag a "
+        "difference is an error, as in Megatron-LM)",
+    )
     g = p.add_argument_group("exiting (Megatron-LM's flags)")
-    g.add_argument("--exit-signal-handler", action="store_true",
-                   help="on SIGTERM: finish the current iteration, save (with --save) and exit 0")
-    g.add_argument("--exit-interval", type=int, default=None,
-                   help="save (with --save) and exit 0 when the iteration is a multiple of this")
-    g.add_argument("--exit-duration-in-mins", type=float, default=None,
-                   help="save (with --save) and exit 0 after the first iteration that ends this many minutes "
-                        "after start")
+    g.add_argument(
+        "--exit-signal-handler",
+        action="store_true",
+        help="on SIGTERM: finish the current iteration, save (with --save) and exit 0",
+    )
+    g.add_argument(
+        "--exit-interval",
+        type=int,
+        default=None,
+        help="save (with --save) and exit 0 when the iteration is a multiple of this",
+    )
+    g.add_argument(
+        "--exit-duration-in-mins",
+        type=float,
+        default=None,
+        help="save (with --save) and exit 0 after the first iteration that ends this many minutes after start",
+    )
     return p
-
 
 
 # flag -> (lowest allowed value, what it means); None flags are "not given"
 _INT_MIN = {
-    "num_layers": 1, "hidden_size": 1, "num_attention_heads": 1, "seq_length": 1, "micro_batch_size": 1,
-    "global_batch_size": 1, "train_iters": 1, "log_interval": 1, "make_vocab_size_divisible_by": 1,
-    "eval_iters": 0, "lr_warmup_iters": 0, "seed": 0,
+    "num_layers": 1,
+    "hidden_size": 1,
+    "num_attention_heads": 1,
+    "seq_length": 1,
+    "micro_batch_size": 1,
+    "global_batch_size": 1,
+    "train_iters": 1,
+    "log_interval": 1,
+    "make_vocab_size_divisible_by": 1,
+    "eval_iters": 0,
+    "lr_warmup_iters": 0,
+    "seed": 0,
 }
-_OPTIONAL_INT_MIN = {"ffn_hidden_size": 1, "num_query_groups": 1, "max_position_embeddings": 1, "save_interval": 1,
-                     "eval_interval": 1, "exit_interval": 1, "loss_chunk_tokens": 1, "mlp_chunk_tokens": 1}
-_NOTES = {"eval_iters": " (0: no evaluation)", "lr_warmup_iters": " (0: no warmup)",
-          "num_query_groups": " (the number of KV heads)"}
+_OPTIONAL_INT_MIN = {
+    "ffn_hidden_size": 1,
+    "num_query_groups": 1,
+    "max_position_embeddings": 1,
+    "save_interval": 1,
+    "eval_interval": 1,
+    "exit_interval": 1,
+    "loss_chunk_tokens": 1,
+    "mlp_chunk_tokens": 1,
+}
+_NOTES = {
+    "eval_iters": " (0: no evaluation)",
+    "lr_warmup_iters": " (0: no warmup)",
+    "num_query_groups": " (the number of KV heads)",
+}
 # float flags: (low, low inclusive?, high, high inclusive?)
 _FLOAT_RANGE = {
-    "lr": (0.0, True, math.inf, False), "min_lr": (0.0, True, math.inf, False),
-    "clip_grad": (0.0, True, math.inf, False), "weight_decay": (0.0, True, math.inf, False),
-    "adam_beta1": (0.0, True, 1.0, False), "adam_beta2": (0.0, True, 1.0, False),
-    "adam_eps": (0.0, False, math.inf, False), "init_method_std": (0.0, False, math.inf, False),
-    "attention_dropout": (0.0, True, 1.0, False), "hidden_dropout": (0.0, True, 1.0, False),
+    "lr": (0.0, True, math.inf, False),
+    "min_lr": (0.0, True, math.inf, False),
+    "clip_grad": (0.0, True, math.inf, False),
+    "weight_decay": (0.0, True, math.inf, False),
+    "adam_beta1": (0.0, True, 1.0, False),
+    "adam_beta2": (0.0, True, 1.0, False),
+    "adam_eps": (0.0, False, math.inf, False),
+    "init_method_std": (0.0, False, math.inf, False),
+    "attention_dropout": (0.0, True, 1.0, False),
+    "hidden_dropout": (0.0, True, 1.0, False),
     "distributed_timeout_minutes": (0.0, False, math.inf, False),
     "exit_duration_in_mins": (0.0, False, math.inf, False),
 }
-_FLOAT_NOTES = {"clip_grad": " (0: no clipping)", "distributed_timeout_minutes": " (how long a collective waits "
-                "for a peer)"}
+_FLOAT_NOTES = {
+    "clip_grad": " (0: no clipping)",
+    "distributed_timeout_minutes": " (how long a collective waits for a peer)",
+}
 
 
 def flag(name: str) -> str:
@@ -177,9 +265,10 @@ def check_ranges(args) -> None:
     for name, lo in _OPTIONAL_INT_MIN.items():
         v = getattr(args, name)
         if v is not None and v < lo:
-            raise ValueError(f"{flag(name)} must be >= {lo}{_NOTES.get(name, '')}, got {v}; leave it out for the "
-                             "default")
-    if args.seed >= 2 ** 32:
+            raise ValueError(
+                f"{flag(name)} must be >= {lo}{_NOTES.get(name, '')}, got {v}; leave it out for the default"
+            )
+    if args.seed >= 2**32:
         raise ValueError(f"--seed must be < 2**32 (numpy's seed range), got {args.seed}")
     for name, (lo, lo_in, hi, hi_in) in _FLOAT_RANGE.items():
         v = getattr(args, name)
@@ -187,70 +276,128 @@ def check_ranges(args) -> None:
             continue
         ok = math.isfinite(v) and (v >= lo if lo_in else v > lo) and (v <= hi if hi_in else v < hi)
         if not ok:
-            raise ValueError(f"{flag(name)} must be a finite number in {_interval(lo, lo_in, hi, hi_in)}"
-                             f"{_FLOAT_NOTES.get(name, '')}, got {v}")
+            raise ValueError(
+                f"{flag(name)} must be a finite number in {_interval(lo, lo_in, hi, hi_in)}"
+                f"{_FLOAT_NOTES.get(name, '')}, got {v}"
+            )
     parse_split(args.split)
+
+
+# (the flags break this rule, the message naming them and the fix): checked in order, the first raises
+_CONSISTENCY = (
+    (
+        lambda a, t: a.context_parallel_size > 1 and a.attention_backend == "flash",
+        lambda a, t: (
+            "--context-parallel-size > 1 runs the ring with --attention-backend sdpa (log-sum-exp ring) or "
+            "te (Transformer Engine's p2p ring), not flash"
+        ),
+    ),
+    (
+        lambda a, t: a.context_parallel_size > 1 and a.attention_backend == "te" and a.reset_attention_mask,
+        lambda a, t: (
+            "--reset-attention-mask with --context-parallel-size > 1 needs --attention-backend sdpa "
+            "(Transformer Engine's ring takes unpacked causal input only)"
+        ),
+    ),
+    (
+        lambda a, t: a.num_layers % a.pipeline_model_parallel_size,
+        lambda a, t: (
+            f"--num-layers {a.num_layers} must be divisible by --pipeline-model-parallel-size "
+            f"{a.pipeline_model_parallel_size}"
+        ),
+    ),
+    (
+        lambda a, t: a.hidden_size % a.num_attention_heads,
+        lambda a, t: (
+            f"--hidden-size {a.hidden_size} must be divisible by --num-attention-heads {a.num_attention_heads}"
+        ),
+    ),
+    (
+        lambda a, t: a.global_batch_size % (a.micro_batch_size * t.dp),
+        lambda a, t: (
+            f"--global-batch-size {a.global_batch_size} must be a multiple of --micro-batch-size "
+            f"{a.micro_batch_size} x data-parallel size {t.dp} (world {t.world_size} / (tp x ulysses x cp x pp))"
+        ),
+    ),
+    (
+        lambda a, t: (
+            a.position_embedding_type == "learned_absolute"
+            and (a.max_position_embeddings or a.seq_length) < a.seq_length
+        ),
+        lambda a, t: (
+            f"--max-position-embeddings {a.max_position_embeddings} is below --seq-length {a.seq_length}: "
+            "learned absolute positions need one embedding per position; raise it to at least "
+            f"{a.seq_length}"
+        ),
+    ),
+    (
+        lambda a, t: padded_vocab(a) % a.tensor_model_parallel_size,
+        lambda a, t: (
+            f"padded vocab {padded_vocab(a)} is not divisible by --tensor-model-parallel-size "
+            f"{a.tensor_model_parallel_size}: raise --make-vocab-size-divisible-by to a multiple of it"
+        ),
+    ),
+    (
+        lambda a, t: a.min_lr > a.lr,
+        lambda a, t: (
+            f"--min-lr {a.min_lr} is above --lr {a.lr}: the schedule decays from --lr down to --min-lr "
+            "(default 3e-4 here, 0 in Megatron-LM); pass a lower --min-lr"
+        ),
+    ),
+    (
+        lambda a, t: a.transformer_impl == "transformer_engine" and not torch.cuda.is_available(),
+        lambda a, t: (
+            "--transformer-impl transformer_engine needs a CUDA GPU with Transformer Engine; "
+            "use --transformer-impl local on CPU"
+        ),
+    ),
+    (lambda a, t: a.save_interval is not None and not a.save, lambda a, t: "--save-interval needs --save DIR"),
+    (lambda a, t: a.load and not os.path.isdir(a.load), lambda a, t: f"--load {a.load} is not a directory"),
+    (
+        lambda a, t: a.override_opt_param_scheduler and a.use_checkpoint_opt_param_scheduler,
+        lambda a, t: (
+            "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler contradict each other: "
+            "give one (the command line's schedule, or the checkpoint's)"
+        ),
+    ),
+    (
+        lambda a, t: a.sequence_parallel and a.tensor_model_parallel_size == 1,
+        lambda a, t: "--sequence-parallel needs --tensor-model-parallel-size > 1",
+    ),
+    (
+        lambda a, t: a.sequence_parallel and not torch.cuda.is_available(),
+        lambda a, t: "--sequence-parallel needs Transformer Engine or apex norms (GPU); on CPU drop the flag",
+    ),
+    (
+        lambda a, t: a.attention_backend in ("flash", "te") and not torch.cuda.is_available(),
+        lambda a, t: f"--attention-backend {a.attention_backend} needs a CUDA GPU; use sdpa on CPU",
+    ),
+    (
+        lambda a, t: a.lr_warmup_iters >= a.train_iters and a.train_iters > 1,
+        lambda a, t: f"--lr-warmup-iters {a.lr_warmup_iters} must be < --train-iters {a.train_iters}",
+    ),
+)
 
 
 def validate(args, world_size: int):
     """Every check that needs no collective; raises ValueError naming the flag and the fix.
-    Ranges first (a 0 must not reach a modulo), then the flags against each other."""
+    Ranges first (a 0 must not reach a modulo), then the layout, then the flags against each other."""
     from ulysses_mcore.topology import Topology
 
     if args.group_query_attention and args.num_query_groups is None:
         args.num_query_groups = 1  # Megatron-LM's default for --num-query-groups
     check_ranges(args)
-    topo = Topology(world_size, tp=args.tensor_model_parallel_size, ulysses=args.ulysses_degree,
-                    cp=args.context_parallel_size, pp=args.pipeline_model_parallel_size)
+    topo = Topology(
+        world_size,
+        tp=args.tensor_model_parallel_size,
+        ulysses=args.ulysses_degree,
+        cp=args.context_parallel_size,
+        pp=args.pipeline_model_parallel_size,
+    )
     topo.check_model(args.num_attention_heads, args.num_query_groups, args.seq_length)
-    if args.context_parallel_size > 1 and args.attention_backend == "flash":
-        raise ValueError("--context-parallel-size > 1 runs the ring with --attention-backend sdpa (log-sum-exp "
-                         "ring) or te (Transformer Engine's p2p ring), not flash")
-    if args.context_parallel_size > 1 and args.attention_backend == "te" and args.reset_attention_mask:
-        raise ValueError("--reset-attention-mask with --context-parallel-size > 1 needs --attention-backend sdpa "
-                         "(Transformer Engine's ring takes unpacked causal input only)")
-    if args.num_layers % args.pipeline_model_parallel_size:
-        raise ValueError(f"--num-layers {args.num_layers} must be divisible by "
-                         f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}")
-    if args.hidden_size % args.num_attention_heads:
-        raise ValueError(f"--hidden-size {args.hidden_size} must be divisible by "
-                         f"--num-attention-heads {args.num_attention_heads}")
-    if args.global_batch_size % (args.micro_batch_size * topo.dp):
-        raise ValueError(f"--global-batch-size {args.global_batch_size} must be a multiple of --micro-batch-size "
-                         f"{args.micro_batch_size} x data-parallel size {topo.dp} "
-                         f"(world {world_size} / (tp x ulysses x cp x pp))")
-    if args.position_embedding_type == "learned_absolute":
-        positions = args.max_position_embeddings or args.seq_length
-        if positions < args.seq_length:
-            raise ValueError(f"--max-position-embeddings {positions} is below --seq-length {args.seq_length}: "
-                             "learned absolute positions need one embedding per position; raise it to at least "
-                             f"{args.seq_length}")
-    vocab = padded_vocab(args)
-    if vocab % args.tensor_model_parallel_size:
-        raise ValueError(f"padded vocab {vocab} is not divisible by --tensor-model-parallel-size "
-                         f"{args.tensor_model_parallel_size}: raise --make-vocab-size-divisible-by to a multiple "
-                         "of it")
-    if args.min_lr > args.lr:
-        raise ValueError(f"--min-lr {args.min_lr} is above --lr {args.lr}: the schedule decays from --lr down to "
-                         "--min-lr (default 3e-4 here, 0 in Megatron-LM); pass a lower --min-lr")
-    if args.transformer_impl == "transformer_engine" and not torch.cuda.is_available():
-        raise ValueError("--transformer-impl transformer_engine needs a CUDA GPU with Transformer Engine; "
-                         "use --transformer-impl local on CPU")
-    if args.save_interval is not None and not args.save:
-        raise ValueError("--save-interval needs --save DIR")
-    if args.load and not os.path.isdir(args.load):
-        raise ValueError(f"--load {args.load} is not a directory")
-    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
-        raise ValueError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler contradict each "
-                         "other: give one (the command line's schedule, or the checkpoint's)")
-    if args.sequence_parallel and args.tensor_model_parallel_size == 1:
-        raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
-    if args.sequence_parallel and not torch.cuda.is_available():
-        raise ValueError("--sequence-parallel needs Transformer Engine or apex norms (GPU); on CPU drop the flag")
-    if args.attention_backend in ("flash", "te") and not torch.cuda.is_available():
-        raise ValueError(f"--attention-backend {args.attention_backend} needs a CUDA GPU; use sdpa on CPU")
-    if args.lr_warmup_iters >= args.train_iters and args.train_iters > 1:
-        raise ValueError(f"--lr-warmup-iters {args.lr_warmup_iters} must be < --train-iters {args.train_iters}")
+    for broken, message in _CONSISTENCY:
+        if broken(args, topo):
+            raise ValueError(message(args, topo))
     return topo
 
 
@@ -279,8 +426,9 @@ def output_dirs(args):
     out = []
     if args.save:
         out.append(("--save", args.save))
-    out.append(("--log-dir" if args.log_dir else ("--save" if args.save else "--log-dir (default runs/)"),
-                metrics_dir(args)))
+    out.append(
+        ("--log-dir" if args.log_dir else ("--save" if args.save else "--log-dir (default runs/)"), metrics_dir(args))
+    )
     if args.data_path is None:
         out.append(("--log-dir" if args.log_dir else "--log-dir (default runs/)", corpus_dir(args)))
     return out

@@ -59,8 +59,15 @@ def packed_seq_params(cu_seqlens: torch.Tensor, total: Optional[int] = None):
     cu = cu_seqlens.to(torch.int32)
     total = int(cu[-1]) if total is None else total
     whole = torch.tensor([0, total], dtype=torch.int32, device=cu.device)
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=whole,
-                           cu_seqlens_kv_padded=whole, max_seqlen_q=total, max_seqlen_kv=total)
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        cu_seqlens_q_padded=whole,
+        cu_seqlens_kv_padded=whole,
+        max_seqlen_q=total,
+        max_seqlen_kv=total,
+    )
 
 
 def document_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -79,13 +86,18 @@ def reset_position_ids(batch: Dict[str, torch.Tensor], eod_token_id: int) -> Dic
     return dict(batch, position_ids=document_positions(cu, b * s).view(b, s))
 
 
-def pack_batch(batch: Dict[str, torch.Tensor], eod_token_id: int, *, reset_positions: bool = True) -> Dict[str, torch.Tensor]:
+def pack_batch(
+    batch: Dict[str, torch.Tensor], eod_token_id: int, *, reset_positions: bool = True
+) -> Dict[str, torch.Tensor]:
     """A micro-batch ``[b, s]`` -> one packed stream ``[1, b*s]`` with ``cu_seqlens`` from
     the ``eod`` tokens and sample ends (no attention mask; positions restart per document
     unless ``reset_positions=False``)."""
     cu = document_boundaries(batch["tokens"], eod_token_id)
-    out = {k: (v.reshape(1, -1) if k in SEQ_KEYS and v is not None else v) for k, v in batch.items()
-           if k != "attention_mask"}
+    out = {
+        k: (v.reshape(1, -1) if k in SEQ_KEYS and v is not None else v)
+        for k, v in batch.items()
+        if k != "attention_mask"
+    }
     if reset_positions:
         out["position_ids"] = document_positions(cu, out["tokens"].shape[1]).unsqueeze(0)
     out["cu_seqlens"] = cu
@@ -133,7 +145,9 @@ def pad_batch(batch: Dict[str, torch.Tensor], multiple: int, *, pad_token_id: in
     return out
 
 
-def shard_sequence(t: torch.Tensor, rank: int, degree: int, *, dim: int = 1, load_balanced: bool = True) -> torch.Tensor:
+def shard_sequence(
+    t: torch.Tensor, rank: int, degree: int, *, dim: int = 1, load_balanced: bool = True
+) -> torch.Tensor:
     """This rank's share of ``t`` along ``dim`` (contiguous block, or chunks r and 2P-1-r)."""
     if degree == 1:
         return t

@@ -35,14 +35,32 @@ from .errors import is_collective_failure
 
 MANIFEST = "ulysses_manifest.json"
 TRAIN_STATE = "train_state.pt"
-MODEL_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-               "position_embedding_type", "make_vocab_size_divisible_by", "tokenizer_type", "normalization",
-               "swiglu", "untie_embeddings_and_output_weights", "disable_bias_linear")
+MODEL_FLAGS = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "position_embedding_type",
+    "make_vocab_size_divisible_by",
+    "tokenizer_type",
+    "normalization",
+    "swiglu",
+    "untie_embeddings_and_output_weights",
+    "disable_bias_linear",
+)
 # scheduler state key -> the flags it is computed from
-SCHEDULE_FLAGS = {"max_lr": ("lr",), "min_lr": ("min_lr",), "lr_warmup_steps": ("lr_warmup_iters", "global_batch_size"),
-                  "lr_decay_steps": ("train_iters", "global_batch_size"), "lr_decay_style": ("lr_decay_style",),
-                  "start_wd": ("weight_decay",), "end_wd": ("weight_decay",),
-                  "wd_incr_steps": ("train_iters", "global_batch_size"), "wd_incr_style": ()}
+SCHEDULE_FLAGS = {
+    "max_lr": ("lr",),
+    "min_lr": ("min_lr",),
+    "lr_warmup_steps": ("lr_warmup_iters", "global_batch_size"),
+    "lr_decay_steps": ("train_iters", "global_batch_size"),
+    "lr_decay_style": ("lr_decay_style",),
+    "start_wd": ("weight_decay",),
+    "end_wd": ("weight_decay",),
+    "wd_incr_steps": ("train_iters", "global_batch_size"),
+    "wd_incr_style": (),
+}
 
 
 class CheckpointError(ValueError):
@@ -77,10 +95,17 @@ def schedule_from_flags(args) -> dict:
     """The schedule this command line asks for: OptimizerParamScheduler's constructor keywords,
     which are also its state_dict keys (the trainer builds the scheduler from it)."""
     G = args.global_batch_size
-    return {"max_lr": args.lr, "min_lr": args.min_lr, "lr_warmup_steps": args.lr_warmup_iters * G,
-            "lr_decay_steps": args.train_iters * G, "lr_decay_style": args.lr_decay_style,
-            "start_wd": args.weight_decay, "end_wd": args.weight_decay, "wd_incr_steps": args.train_iters * G,
-            "wd_incr_style": "constant"}
+    return {
+        "max_lr": args.lr,
+        "min_lr": args.min_lr,
+        "lr_warmup_steps": args.lr_warmup_iters * G,
+        "lr_decay_steps": args.train_iters * G,
+        "lr_decay_style": args.lr_decay_style,
+        "start_wd": args.weight_decay,
+        "end_wd": args.weight_decay,
+        "wd_incr_steps": args.train_iters * G,
+        "wd_incr_style": "constant",
+    }
 
 
 # ------------------------------------------------------------------------ save
@@ -128,8 +153,11 @@ def _outcome(err: Optional[BaseException], path: str) -> Optional[dict]:
 def _hash_share(root: str, names: List[str]) -> dict:
     """Size and CRC-32 of this rank's share of ``names`` (every world_size-th file)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    return {name: {"size": os.path.getsize(os.path.join(root, name)), "crc32": _crc32(os.path.join(root, name))}
-            for i, name in enumerate(names) if i % world == rank}
+    return {
+        name: {"size": os.path.getsize(os.path.join(root, name)), "crc32": _crc32(os.path.join(root, name))}
+        for i, name in enumerate(names)
+        if i % world == rank
+    }
 
 
 def _crc32(path: str) -> int:
@@ -154,9 +182,8 @@ def _list_files(root: str) -> List[str]:
 
 def save_checkpoint(path, iteration, model, optimizer, scheduler, consumed_samples, args):
     """Save iteration ``iteration`` under ``path`` (every rank calls it).  Prints Megatron-LM's
-    ``saving checkpoint at iteration`` / ``successfully saved checkpoint`` lines on rank 0."""
-    from megatron.core import dist_checkpointing
-
+    ``saving checkpoint at iteration`` / ``successfully saved checkpoint`` lines on rank 0.
+    Each step ends with every rank agreeing on its outcome (the same error everywhere)."""
     rank = dist.get_rank()
     t0 = time.time()
     if rank == 0:
@@ -171,27 +198,54 @@ def save_checkpoint(path, iteration, model, optimizer, scheduler, consumed_sampl
         except OSError as e:
             err = e
     _raise_if_failed(_gather(_outcome(err, path)), path, tmp, iteration)
+    err = _write_state(tmp, iteration, model, optimizer, scheduler, consumed_samples, args)
+    _raise_if_failed(_gather(_outcome(err, path)), path, tmp, iteration)
+    _write_manifest(path, tmp, iteration)
+    publish_checkpoint(path, tmp, final, iteration)
+    if rank == 0:
+        print(
+            f"successfully saved checkpoint from iteration {iteration:7d} to {path} ({time.time() - t0:.2f} s)",
+            flush=True,
+        )
+
+
+def _write_state(tmp, iteration, model, optimizer, scheduler, consumed_samples, args):
+    """The sharded model and optimizer (every rank) and the train state (rank 0) into ``tmp``:
+    this rank's error, or None (a failed collective is raised: it is not a save failure)."""
+    from megatron.core import dist_checkpointing
+
     try:
         model_sd = model.module.sharded_state_dict()
-        state = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd)}
-        dist_checkpointing.save(state, tmp)
-        if rank == 0:
-            torch.save({"iteration": iteration, "consumed_samples": consumed_samples,
-                        "scheduler": scheduler.state_dict(), "args": vars(args)}, os.path.join(tmp, TRAIN_STATE))
+        dist_checkpointing.save({"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd)}, tmp)
+        if dist.get_rank() == 0:
+            torch.save(
+                {
+                    "iteration": iteration,
+                    "consumed_samples": consumed_samples,
+                    "scheduler": scheduler.state_dict(),
+                    "args": vars(args),
+                },
+                os.path.join(tmp, TRAIN_STATE),
+            )
     except (KeyboardInterrupt, SystemExit):
         raise
-    except BaseException as e:  # noqa: BLE001 - gathered below: the same error on every rank (torch's
+    except BaseException as e:  # noqa: BLE001 - gathered by the caller: the same error on every rank (torch's
         # CheckpointException derives from BaseException)
         if is_collective_failure(e):
             raise
-        err = e
-    _raise_if_failed(_gather(_outcome(err, path)), path, tmp, iteration)
-    try:  # the manifest: every file's size and CRC-32, the ranks sharing the reading
+        return e
+    return None
+
+
+def _write_manifest(path, tmp, iteration):
+    """Every file's size and CRC-32 (the ranks share the reading), written by rank 0."""
+    err = None
+    try:
         share = _hash_share(tmp, _list_files(tmp))
     except OSError as e:
         share, err = {}, e
     shares = _gather((share, _outcome(err, path)))
-    if rank == 0 and not any(o for _, o in shares):
+    if dist.get_rank() == 0 and not any(o for _, o in shares):
         try:
             files = {k: v for s, _ in shares for k, v in s.items()}
             with open(os.path.join(tmp, MANIFEST), "w") as f:
@@ -199,10 +253,6 @@ def save_checkpoint(path, iteration, model, optimizer, scheduler, consumed_sampl
         except OSError as e:
             err = e
     _raise_if_failed([o for _, o in shares] + _gather(_outcome(err, path)), path, tmp, iteration)
-    publish_checkpoint(path, tmp, final, iteration)
-    if rank == 0:
-        print(f"successfully saved checkpoint from iteration {iteration:7d} to {path} ({time.time() - t0:.2f} s)",
-              flush=True)
 
 
 def _previous(path: str) -> str:
@@ -229,9 +279,12 @@ def _raise_if_failed(outcomes, path, tmp, iteration):
         raise CheckpointError(
             f"saving checkpoint at iteration {iteration} to {path}: no space left on the device "
             f"({min(free) if free else '?'} bytes free; rank(s) {ranks}: {first['what']}). The partial {tmp} was "
-            f"removed and {kept}. Free space or point --save at a larger disk, then resume with --load {path}")
-    raise CheckpointError(f"saving checkpoint at iteration {iteration} to {path} failed on rank(s) {ranks}: "
-                          f"{first['what']}. The partial {tmp} was removed and {kept}")
+            f"removed and {kept}. Free space or point --save at a larger disk, then resume with --load {path}"
+        )
+    raise CheckpointError(
+        f"saving checkpoint at iteration {iteration} to {path} failed on rank(s) {ranks}: "
+        f"{first['what']}. The partial {tmp} was removed and {kept}"
+    )
 
 
 def publish_checkpoint(path, tmp, final, iteration):
@@ -257,15 +310,19 @@ def publish_checkpoint(path, tmp, final, iteration):
 def _read_latest(load: str) -> int:
     lf = latest_file(load)
     if not os.path.exists(lf):
-        raise CheckpointError(f"--load {load}: no {os.path.basename(lf)}; is it a checkpoint directory? "
-                              "(Megatron-LM's layout: iter_NNNNNNN/ folders and that file)")
+        raise CheckpointError(
+            f"--load {load}: no {os.path.basename(lf)}; is it a checkpoint directory? "
+            "(Megatron-LM's layout: iter_NNNNNNN/ folders and that file)"
+        )
     with open(lf, "rb") as f:
         raw = f.read(200)
     text = raw.decode("utf-8", "replace").strip()
     if not text.isdigit():
         shown = repr(text[:40]) if text else "nothing"
-        raise CheckpointError(f"--load {load}: {lf} holds {shown}, not an iteration number; write the iteration "
-                              f"of a complete iter_NNNNNNN folder into it (for iter_0000002: 2)")
+        raise CheckpointError(
+            f"--load {load}: {lf} holds {shown}, not an iteration number; write the iteration "
+            f"of a complete iter_NNNNNNN folder into it (for iter_0000002: 2)"
+        )
     return int(text)
 
 
@@ -289,16 +346,24 @@ def _check_files(ckpt: str) -> List[str]:
             problems.append(f"{p}: missing")
         elif os.path.getsize(p) != want["size"]:
             size = os.path.getsize(p)
-            problems.append(f"{p}: " + ("empty (0 bytes)" if size == 0 else
-                                        f"truncated ({size} of {want['size']} bytes)" if size < want["size"] else
-                                        f"{size} bytes, saved as {want['size']}"))
+            problems.append(
+                f"{p}: "
+                + (
+                    "empty (0 bytes)"
+                    if size == 0
+                    else f"truncated ({size} of {want['size']} bytes)"
+                    if size < want["size"]
+                    else f"{size} bytes, saved as {want['size']}"
+                )
+            )
         else:
             present.append(name)
     for name in present:
         crc = _crc32(os.path.join(ckpt, name))
         if crc != files[name]["crc32"]:
-            problems.append(f"{os.path.join(ckpt, name)}: corrupted (CRC-32 {crc:08x}, saved as "
-                            f"{files[name]['crc32']:08x})")
+            problems.append(
+                f"{os.path.join(ckpt, name)}: corrupted (CRC-32 {crc:08x}, saved as {files[name]['crc32']:08x})"
+            )
     return problems
 
 
@@ -330,20 +395,49 @@ def inspect_checkpoint(args):
     """Every check before any tensor is read: (checkpoint folder, train state).  Collective
     (the ranks share the file checks); raises the same :class:`CheckpointError` on every rank."""
     load = args.load
-    iteration = _read_latest(load)
-    ckpt = iter_dir(load, iteration)
-    note = ""
-    if not os.path.isdir(ckpt) and os.path.isdir(ckpt + ".old"):
-        ckpt, note = ckpt + ".old", " (a re-save of that iteration was interrupted: using the copy it replaced)"
-    if not os.path.isdir(ckpt):
-        raise CheckpointError(f"--load {load}: {latest_file(load)} names iteration {iteration} but {ckpt} is missing; "
-                              "write the iteration of a complete iter_NNNNNNN folder into it")
+    ckpt, note = _locate(load)
     problems = sorted(p for share in _gather(_check_files(ckpt)) for p in share)
     if problems:
         more = f" and {len(problems) - 4} more" if len(problems) > 4 else ""
-        raise CheckpointError(f"--load {load}: checkpoint {ckpt} is damaged: " + "; ".join(problems[:4]) + more
-                              + f". Resume from another checkpoint (its iteration in {latest_file(load)}) or "
-                              "save this one again")
+        raise CheckpointError(
+            f"--load {load}: checkpoint {ckpt} is damaged: "
+            + "; ".join(problems[:4])
+            + more
+            + f". Resume from another checkpoint (its iteration in {latest_file(load)}) or "
+            "save this one again"
+        )
+    extra = _read_train_state(load, ckpt)
+    saved = extra.get("args", {})
+    diff = [
+        f"{_flag(k)} {saved.get(k)} (checkpoint) vs {getattr(args, k)} (now)"
+        for k in MODEL_FLAGS
+        if k in saved and saved.get(k) != getattr(args, k)
+    ]
+    if diff:
+        raise CheckpointError(
+            f"--load {load}: the checkpoint is from an incompatible model: "
+            + "; ".join(diff)
+            + ". Use the checkpoint's model flags (parallel degrees may change freely)"
+        )
+    _check_schedule(load, extra["scheduler"], saved, args)
+    return ckpt, extra, note
+
+
+def _locate(load):
+    """(the folder of the latest iteration, a note when it is the copy an interrupted re-save replaced)."""
+    iteration = _read_latest(load)
+    ckpt = iter_dir(load, iteration)
+    if not os.path.isdir(ckpt) and os.path.isdir(ckpt + ".old"):
+        return ckpt + ".old", " (a re-save of that iteration was interrupted: using the copy it replaced)"
+    if not os.path.isdir(ckpt):
+        raise CheckpointError(
+            f"--load {load}: {latest_file(load)} names iteration {iteration} but {ckpt} is missing; "
+            "write the iteration of a complete iter_NNNNNNN folder into it"
+        )
+    return ckpt, ""
+
+
+def _read_train_state(load, ckpt) -> dict:
     ts = os.path.join(ckpt, TRAIN_STATE)
     if not os.path.exists(ts):
         raise CheckpointError(f"--load {load}: {ts} is missing: {ckpt} is incomplete")
@@ -354,16 +448,10 @@ def inspect_checkpoint(args):
         if not isinstance(extra, dict) or "iteration" not in extra or "scheduler" not in extra:
             raise ValueError("not a train state (no iteration / scheduler)")
     except Exception as e:  # noqa: BLE001 - whatever unpickling says, the file is bad
-        raise CheckpointError(f"--load {load}: {ts} is not a readable train state ({_first_line(e)}): "
-                              f"{ckpt} is damaged") from None
-    saved = extra.get("args", {})
-    diff = [f"{_flag(k)} {saved.get(k)} (checkpoint) vs {getattr(args, k)} (now)"
-            for k in MODEL_FLAGS if k in saved and saved.get(k) != getattr(args, k)]
-    if diff:
-        raise CheckpointError(f"--load {load}: the checkpoint is from an incompatible model: " + "; ".join(diff)
-                              + ". Use the checkpoint's model flags (parallel degrees may change freely)")
-    _check_schedule(load, extra["scheduler"], saved, args)
-    return ckpt, extra, note
+        raise CheckpointError(
+            f"--load {load}: {ts} is not a readable train state ({_first_line(e)}): {ckpt} is damaged"
+        ) from None
+    return extra
 
 
 def _check_schedule(load, sched, saved, args):
@@ -378,11 +466,14 @@ def _check_schedule(load, sched, saved, args):
         for f in SCHEDULE_FLAGS[k]:
             if f in saved and saved[f] != getattr(args, f) and f not in flags:
                 flags.append(f)
-    what = "; ".join(f"{_flag(f)} {saved[f]} (checkpoint) vs {getattr(args, f)} (now)" for f in flags) or \
-        "; ".join(f"{k} {sched[k]} (checkpoint) vs {now[k]} (now)" for k in keys)
-    raise CheckpointError(f"--load {load}: the learning-rate schedule differs from the checkpoint's: {what}. Add "
-                          "--override-opt_param-scheduler to go on with this command line's schedule, or "
-                          "--use-checkpoint-opt_param-scheduler to keep the checkpoint's (Megatron-LM's flags)")
+    what = "; ".join(f"{_flag(f)} {saved[f]} (checkpoint) vs {getattr(args, f)} (now)" for f in flags) or "; ".join(
+        f"{k} {sched[k]} (checkpoint) vs {now[k]} (now)" for k in keys
+    )
+    raise CheckpointError(
+        f"--load {load}: the learning-rate schedule differs from the checkpoint's: {what}. Add "
+        "--override-opt_param-scheduler to go on with this command line's schedule, or "
+        "--use-checkpoint-opt_param-scheduler to keep the checkpoint's (Megatron-LM's flags)"
+    )
 
 
 def load_checkpoint(ckpt, extra, model, optimizer, scheduler):

@@ -96,9 +96,18 @@ def apply(force: bool = False) -> bool:
     import megatron.core.tensor_parallel.random as mrandom
 
     cuda = torch.cuda
-    for name in ("current_device", "synchronize", "empty_cache", "get_rng_state", "set_rng_state",
-                 "manual_seed", "manual_seed_all", "memory_allocated", "max_memory_allocated",
-                 "reset_peak_memory_stats"):
+    for name in (
+        "current_device",
+        "synchronize",
+        "empty_cache",
+        "get_rng_state",
+        "set_rng_state",
+        "manual_seed",
+        "manual_seed_all",
+        "memory_allocated",
+        "max_memory_allocated",
+        "reset_peak_memory_stats",
+    ):
         _SAVED[("torch.cuda", name)] = getattr(cuda, name)
     for name in ("_get_cuda_rng_state", "_set_cuda_rng_state"):
         _SAVED[(mrandom.__name__, name)] = getattr(mrandom, name)

@@ -61,8 +61,9 @@ def read_documents(path: str, json_key: str = "text") -> Iterator[str]:
                     yield doc.strip()
 
 
-def write_indexed_dataset(docs: Iterable[str], output_prefix: str, tokenizer=None, *, progress: bool = True,
-                          total: Optional[int] = None) -> dict:
+def write_indexed_dataset(
+    docs: Iterable[str], output_prefix: str, tokenizer=None, *, progress: bool = True, total: Optional[int] = None
+) -> dict:
     """Tokenize ``docs`` (EOD appended) into ``output_prefix.bin/.idx``; returns counts."""
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
@@ -104,18 +105,23 @@ def check_indexed_dataset(prefix: str) -> int:
         pointers = ds.index.sequence_pointers
         itemsize = np.dtype(ds.index.dtype).itemsize
     except Exception as e:  # a corrupt index: bad magic, version or sizes
-        raise ValueError(f"--data-path {prefix}: {prefix}.idx is not a valid Megatron index ({type(e).__name__}: {e}); {fix}") from None
+        raise ValueError(
+            f"--data-path {prefix}: {prefix}.idx is not a valid Megatron index ({type(e).__name__}: {e}); {fix}"
+        ) from None
     if len(lengths) == 0:
         raise ValueError(f"--data-path {prefix}: the dataset holds no documents; {fix}")
     need = int(pointers[-1]) + int(lengths[-1]) * itemsize
     have = os.path.getsize(prefix + ".bin")
     if have < need:
-        raise ValueError(f"--data-path {prefix}: {prefix}.bin is truncated ({have} bytes, the index needs {need}); {fix}")
+        raise ValueError(
+            f"--data-path {prefix}: {prefix}.bin is truncated ({have} bytes, the index needs {need}); {fix}"
+        )
     return int(np.sum(lengths))
 
 
-def build_gpt_datasets(prefix: str, *, seq_length: int, seed: int, split: str, samples, tokenizer=None,
-                       cache_dir: Optional[str] = None):
+def build_gpt_datasets(
+    prefix: str, *, seq_length: int, seed: int, split: str, samples, tokenizer=None, cache_dir: Optional[str] = None
+):
     """(train, valid, test) GPTDatasets over one indexed dataset, via BlendedMegatronDatasetBuilder."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
@@ -146,7 +152,13 @@ class GlobalBatchSampler:
                 f"--global-batch-size {global_batch_size} must be a multiple of --micro-batch-size "
                 f"{micro_batch_size} x data-parallel size {dp_size}"
             )
-        self.dataset, self.G, self.mbs, self.dp, self.rank = dataset, global_batch_size, micro_batch_size, dp_size, dp_rank
+        self.dataset, self.G, self.mbs, self.dp, self.rank = (
+            dataset,
+            global_batch_size,
+            micro_batch_size,
+            dp_size,
+            dp_rank,
+        )
 
     def microbatches(self, consumed_samples: int) -> List[dict]:
         per_rank = self.G // self.dp
@@ -154,7 +166,11 @@ class GlobalBatchSampler:
         idx = [(start + i) % len(self.dataset) for i in range(per_rank)]
         out = []
         for m in range(0, per_rank, self.mbs):
-            samples = [self.dataset[i] for i in idx[m:m + self.mbs]]
-            out.append({k: torch.stack([torch.as_tensor(s[k]) for s in samples])
-                        for k in ("tokens", "labels", "loss_mask", "position_ids")})
+            samples = [self.dataset[i] for i in idx[m : m + self.mbs]]
+            out.append(
+                {
+                    k: torch.stack([torch.as_tensor(s[k]) for s in samples])
+                    for k in ("tokens", "labels", "loss_mask", "position_ids")
+                }
+            )
         return out

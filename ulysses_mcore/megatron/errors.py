@@ -7,9 +7,19 @@ from __future__ import annotations
 import torch.distributed as dist
 
 # what torch.distributed's backends say when a peer dies, a connection breaks or a wait times out
-COLLECTIVE_SIGNS = ("connection closed by peer", "connection reset by peer", "broken pipe", "timed out",
-                    "timeout", "nccl error", "ncclremoteerror", "ncclsystemerror", "gloo/transport",
-                    "socket closed", "connection refused")
+COLLECTIVE_SIGNS = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "timed out",
+    "timeout",
+    "nccl error",
+    "ncclremoteerror",
+    "ncclsystemerror",
+    "gloo/transport",
+    "socket closed",
+    "connection refused",
+)
 
 
 def is_collective_failure(e: BaseException) -> bool:

@@ -72,9 +72,12 @@ def initialize(
     state.register(ulysses_group, ring, topo)
     _CREATED[:] = [g for g in _live_groups() if g not in before]
     if verbose and rank == 0:
-        print(f"[ulysses-mcore] parallel axes in force: {topo.describe()}; "
-              f"Megatron context-parallel size {topo.context_parallel_size} "
-              f"(ulysses {ulysses} inner x ring {cp})", flush=True)
+        print(
+            f"[ulysses-mcore] parallel axes in force: {topo.describe()}; "
+            f"Megatron context-parallel size {topo.context_parallel_size} "
+            f"(ulysses {ulysses} inner x ring {cp})",
+            flush=True,
+        )
     return topo
 
 
@@ -112,23 +115,26 @@ def _verify(topo: Topology, rank: int, ulysses_group, ring) -> None:
         # the shard order the dual-chunk batch slicing, RoPE slicing and the hybrid path share
         want = dist.get_rank(ulysses_group) + topo.ulysses * dist.get_rank(ring)
         if ps.get_context_parallel_rank() != want:
-            raise RuntimeError(f"rank {rank}: Megatron's context-parallel rank {ps.get_context_parallel_rank()} is not "
-                               f"ulysses rank + {topo.ulysses} x ring rank = {want}")
+            raise RuntimeError(
+                f"rank {rank}: Megatron's context-parallel rank {ps.get_context_parallel_rank()} is not "
+                f"ulysses rank + {topo.ulysses} x ring rank = {want}"
+            )
     for axes, grp in checks.items():
         got = dist.get_process_group_ranks(grp)
         want = topo.group_of(axes, rank)
         if sorted(got) != sorted(want):
             raise RuntimeError(
-                f"rank {rank}: Megatron's {axes} group {got} differs from the topology's {want} "
-                f"({topo.describe()})"
+                f"rank {rank}: Megatron's {axes} group {got} differs from the topology's {want} ({topo.describe()})"
             )
 
 
 def get_topology() -> Topology:
     topo = state.get_topology()
     if topo is None:
-        raise RuntimeError("no topology registered: call ulysses_mcore.initialize(...) first (or run under "
-                           "megatron_patches, which registers Megatron-LM's)")
+        raise RuntimeError(
+            "no topology registered: call ulysses_mcore.initialize(...) first (or run under "
+            "megatron_patches, which registers Megatron-LM's)"
+        )
     return topo
 
 
@@ -234,8 +240,18 @@ def describe_local() -> str:
 
 
 __all__ = [
-    "initialize", "destroy", "get_topology", "get_ulysses_group", "get_ring_group",
-    "get_tensor_parallel_group", "get_pipeline_parallel_group", "get_data_parallel_group",
-    "get_gradient_reduction_group", "get_sample_group", "get_embedding_group",
-    "get_pg_collection", "ulysses_rank", "describe_local",
+    "initialize",
+    "destroy",
+    "get_topology",
+    "get_ulysses_group",
+    "get_ring_group",
+    "get_tensor_parallel_group",
+    "get_pipeline_parallel_group",
+    "get_data_parallel_group",
+    "get_gradient_reduction_group",
+    "get_sample_group",
+    "get_embedding_group",
+    "get_pg_collection",
+    "ulysses_rank",
+    "describe_local",
 ]

@@ -56,17 +56,17 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         lse = torch.empty(T, dtype=torch.float32, device=hidden.device)
         target = torch.empty(T, dtype=torch.float32, device=hidden.device)
         for c in range(0, T, chunk):
-            logits = torch.matmul(hidden[c:c + chunk], weight.t()).float()  # [C, V/tp]: the only big buffer
+            logits = torch.matmul(hidden[c : c + chunk], weight.t()).float()  # [C, V/tp]: the only big buffer
             m = logits.max(dim=-1).values
             _all_reduce(m, dist.ReduceOp.MAX, tp_group)
-            local = labels[c:c + chunk] - vocab_start
+            local = labels[c : c + chunk] - vocab_start
             inside = (local >= 0) & (local < V)
             tgt = logits.gather(1, local.clamp(0, V - 1).unsqueeze(1)).squeeze(1) * inside
             logits.sub_(m.unsqueeze(1)).exp_()
             sums = torch.stack([logits.sum(dim=-1), tgt])
             _all_reduce(sums, dist.ReduceOp.SUM, tp_group)
-            lse[c:c + chunk] = m + sums[0].log()
-            target[c:c + chunk] = sums[1]
+            lse[c : c + chunk] = m + sums[0].log()
+            target[c : c + chunk] = sums[1]
             del logits
         ctx.save_for_backward(hidden, weight, labels, lse)
         ctx.chunk, ctx.vocab_start = chunk, vocab_start
@@ -81,35 +81,38 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         grad = grad.float()
         for c in range(0, hidden.shape[0], chunk):
-            h = hidden[c:c + chunk]
+            h = hidden[c : c + chunk]
             p = torch.matmul(h, weight.t()).float()
-            p.sub_(lse[c:c + chunk].unsqueeze(1)).exp_()  # softmax over the whole vocabulary
-            local = labels[c:c + chunk] - ctx.vocab_start
+            p.sub_(lse[c : c + chunk].unsqueeze(1)).exp_()  # softmax over the whole vocabulary
+            local = labels[c : c + chunk] - ctx.vocab_start
             inside = (local >= 0) & (local < V)
             p.scatter_add_(1, local.clamp(0, V - 1).unsqueeze(1), -inside.float().unsqueeze(1))
-            p.mul_(grad[c:c + chunk].unsqueeze(1))
-            grad_hidden[c:c + chunk] = torch.matmul(p, w32).to(hidden.dtype)
+            p.mul_(grad[c : c + chunk].unsqueeze(1))
+            grad_hidden[c : c + chunk] = torch.matmul(p, w32).to(hidden.dtype)
             grad_weight.addmm_(p.t(), h.float())
             del p
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
 
 
-def chunked_cross_entropy(hidden, weight, labels, chunk_tokens: int, *, tp_group=None, vocab_start: int = 0,
-                          sequence_parallel: bool = False):
+def chunked_cross_entropy(
+    hidden, weight, labels, chunk_tokens: int, *, tp_group=None, vocab_start: int = 0, sequence_parallel: bool = False
+):
     """Per-token losses ``[b, s]`` from ``hidden [s(/tp), b, h]`` and ``labels [b, s]``, the
     output projection and cross-entropy computed ``chunk_tokens`` tokens at a time."""
     from megatron.core.tensor_parallel import mappings
 
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
         if sequence_parallel:  # all-gather the sequence shards; backward: reduce-scatter the partial grads
-            hidden = mappings.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True,
-                                                                   group=tp_group)
+            hidden = mappings.gather_from_sequence_parallel_region(
+                hidden, tensor_parallel_output_grad=True, group=tp_group
+            )
         else:  # backward: all-reduce the partial grads over the vocabulary shards
             hidden = mappings.copy_to_tensor_model_parallel_region(hidden, group=tp_group)
     s, b, h = hidden.shape
     flat_labels = labels.transpose(0, 1).reshape(-1)  # [s*b], the order of hidden's rows
-    loss = ChunkedLinearCrossEntropy.apply(hidden.reshape(s * b, h), weight, flat_labels,
-                                           max(1, int(chunk_tokens)), tp_group, vocab_start)
+    loss = ChunkedLinearCrossEntropy.apply(
+        hidden.reshape(s * b, h), weight, flat_labels, max(1, int(chunk_tokens)), tp_group, vocab_start
+    )
     return loss.view(s, b).transpose(0, 1).contiguous()
 
 
@@ -148,9 +151,15 @@ def enable_chunked_loss(model, chunk_tokens: int):
         weight, state["weight"] = state["weight"], None
         tp_group = getattr(out, "tp_group", None) or ps.get_tensor_model_parallel_group()
         tp_rank = dist.get_rank(tp_group) if dist.get_world_size(tp_group) > 1 else 0
-        return chunked_cross_entropy(hidden_states, weight, labels, chunk_tokens, tp_group=tp_group,
-                                     vocab_start=tp_rank * weight.shape[0],
-                                     sequence_parallel=bool(getattr(out, "sequence_parallel", False)))
+        return chunked_cross_entropy(
+            hidden_states,
+            weight,
+            labels,
+            chunk_tokens,
+            tp_group=tp_group,
+            vocab_start=tp_rank * weight.shape[0],
+            sequence_parallel=bool(getattr(out, "sequence_parallel", False)),
+        )
 
     def pre_hook(module, args, kwargs):
         labels = kwargs.get("labels", args[4] if len(args) > 4 else None)  # forward(ids, pos, mask, dec_in, labels)
@@ -182,7 +191,7 @@ class _TiledMLPMixin:
             return parent(hidden_states, *args, **kwargs)
         outs, bias = [], None
         for c in range(0, s, rows):
-            o, bias = checkpoint(parent, hidden_states[c:c + rows], *args, use_reentrant=False, **kwargs)
+            o, bias = checkpoint(parent, hidden_states[c : c + rows], *args, use_reentrant=False, **kwargs)
             outs.append(o)
         return torch.cat(outs, dim=0), bias
 
@@ -198,15 +207,18 @@ class _KindOfMLP(type):
     __hash__ = type.__hash__
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tiled_mlp_class(chunk_tokens: int, base=None):
     """A subclass of Megatron's ``MLP`` (or ``base``) that tiles ``chunk_tokens`` tokens at a time."""
     if base is None:
         from megatron.core.transformer.mlp import MLP as base
     if chunk_tokens < 1:
         raise ValueError(f"--mlp-chunk-tokens must be >= 1, got {chunk_tokens}")
-    return _KindOfMLP(f"TiledMLP{chunk_tokens}", (_TiledMLPMixin, base),
-                      {"chunk_tokens": int(chunk_tokens), "_tiles": base, "__module__": __name__})
+    return _KindOfMLP(
+        f"TiledMLP{chunk_tokens}",
+        (_TiledMLPMixin, base),
+        {"chunk_tokens": int(chunk_tokens), "_tiles": base, "__module__": __name__},
+    )
 
 
 __all__ = ["ChunkedLinearCrossEntropy", "chunked_cross_entropy", "enable_chunked_loss", "tiled_mlp_class"]

@@ -131,24 +131,38 @@ class UlyssesAttention(MegatronModule):
         self.group, self.ring_group = resolve_groups(config, pg_collection, ulysses_group, ring_group)
         self.degree, self.ring = _size(self.group), _size(self.ring_group)
         self.calls = CallCache()  # this module's prepared (validated) call signatures
+        self._check_context_parallel(cp_size)
+        self._heads(config, tp)
+        # MLA passes k_channels (query/key head dim, for the default scale) and v_channels (value head
+        # dim: the output's, read from the value itself), as to TE's module
+        self.head_dim = k_channels or config.kv_channels
+        # sliding window, per layer as Megatron decides it (window_attn_skip_freq: some layers full)
+        self.window_size = None
+        if is_layer_window_attention(
+            getattr(config, "window_size", None), getattr(config, "window_attn_skip_freq", None), layer_number
+        ):
+            self.window_size = tuple(int(x) for x in config.window_size)
+        self._sinks(config)
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def _check_context_parallel(self, cp_size: int) -> None:
         if (cp_size > 1 or self.ring > 1) and cp_size != self.degree * self.ring:
             raise ValueError(
                 f"config.context_parallel_size={cp_size} but the Ulysses group has {self.degree} ranks and the "
                 f"ring {self.ring}: Megatron's context-parallel size must be --ulysses-degree x "
                 "--context-parallel-size; build the groups with ulysses_mcore.initialize(ulysses=..., cp=...)"
             )
+
+    def _heads(self, config, tp: int) -> None:
+        """Head counts per tensor-parallel rank, on the instance (never in process-global state)."""
         heads, groups = config.num_attention_heads, config.num_query_groups or config.num_attention_heads
         if heads % tp or groups % tp:
             raise ValueError(
                 f"--tensor-model-parallel-size {tp} must divide --num-attention-heads {heads} "
                 f"and --num-query-groups {groups}"
             )
-        # Head counts live on the instance, never in process-global state.
-        self.num_q_heads = heads // tp
-        self.num_kv_heads = groups // tp
-        # MLA passes k_channels (query/key head dim, for the default scale) and v_channels (value head
-        # dim: the output's, read from the value itself), as to TE's module
-        self.head_dim = k_channels or config.kv_channels
+        self.num_q_heads, self.num_kv_heads = heads // tp, groups // tp
         self.extra_checks = (("expected_heads", (self.num_q_heads, self.num_kv_heads)),)
         err = head_layout_error(self.num_q_heads, self.num_kv_heads, self.degree)
         if err:
@@ -156,30 +170,25 @@ class UlyssesAttention(MegatronModule):
                 f"--ulysses-degree {self.degree} does not fit the heads per tensor-parallel rank "
                 f"(tp={tp}, --num-attention-heads {heads}, --num-query-groups {groups}): {err}"
             )
-        # sliding window, per layer as Megatron decides it (window_attn_skip_freq: some layers full)
-        self.window_size = None
-        if is_layer_window_attention(getattr(config, "window_size", None),
-                                     getattr(config, "window_attn_skip_freq", None), layer_number):
-            self.window_size = tuple(int(x) for x in config.window_size)
-        # attention sinks: Megatron's softmax_type ("off-by-one": a zero logit per head; "learnable":
-        # a per-head parameter, sharded over tensor parallelism, replicated over Ulysses / ring / dp)
+
+    def _sinks(self, config) -> None:
+        """Attention sinks as Megatron's ``softmax_type`` says: "off-by-one" a zero logit per head;
+        "learnable" a per-head parameter, sharded over tensor parallelism, replicated over Ulysses /
+        ring / dp."""
         self.softmax_type = getattr(config, "softmax_type", "vanilla")
         if self.softmax_type == "off-by-one":
             self.register_buffer("softmax_offset", torch.zeros(self.num_q_heads), persistent=False)
         elif self.softmax_type == "learnable":
-            self.softmax_offset = torch.nn.Parameter(self._initial_sinks(config, heads))
+            self.softmax_offset = torch.nn.Parameter(self._initial_sinks(config, config.num_attention_heads))
             from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
             set_tensor_model_parallel_attributes(self.softmax_offset, True, 0, 1)
         elif self.softmax_type == "vanilla":
             self.softmax_offset = None
         else:
-            raise ValueError(f"config.softmax_type={self.softmax_type!r} is unknown: use 'vanilla', 'off-by-one' "
-                             "or 'learnable'")
-        self.softmax_scale = (
-            softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
-        )
-        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+            raise ValueError(
+                f"config.softmax_type={self.softmax_type!r} is unknown: use 'vanilla', 'off-by-one' or 'learnable'"
+            )
 
     def forward(
         self,
@@ -197,16 +206,34 @@ class UlyssesAttention(MegatronModule):
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
         mask = None if mask_type in (AttnMaskType.causal, AttnMaskType.no_mask) or cu is not None else attention_mask
-        opts = attention_options(causal, "thd" if cu is not None else "sbhd", self.backend, self.softmax_scale,
-                                 self.dropout_p if self.training else 0.0, order, 1, self.window_size)
+        opts = attention_options(
+            causal,
+            "thd" if cu is not None else "sbhd",
+            self.backend,
+            self.softmax_scale,
+            self.dropout_p if self.training else 0.0,
+            order,
+            1,
+            self.window_size,
+        )
         tensors = NO_TENSORS
         if mask is not None or attention_bias is not None or cu is not None or self.softmax_offset is not None:
             tensors = CallTensors(mask, attention_bias, cu, lens, self.softmax_offset)
         extra = self.extra_checks
         if packed_seq_params is not None:  # the module's own checks of Megatron's packed-sequence record
             extra += (("cu_seqlens_kv", cu_kv), ("qkv_format", getattr(packed_seq_params, "qkv_format", None)))
-        out = self.calls.run(query, key, value, opts, self.group, self.ring_group, tensors,
-                             self.tp_rank * self.num_q_heads, self.check, extra)
+        out = self.calls.run(
+            query,
+            key,
+            value,
+            opts,
+            self.group,
+            self.ring_group,
+            tensors,
+            self.tp_rank * self.num_q_heads,
+            self.check,
+            extra,
+        )
         if cu is not None:
             return out.reshape(out.shape[0], -1)  # [t, h*d]; Megatron adds the batch dim back
         return out.reshape(out.shape[0], out.shape[1], -1)
@@ -220,7 +247,7 @@ class UlyssesAttention(MegatronModule):
             gen = torch.Generator().manual_seed(7919 * self.layer_number + 17)
             full.normal_(0.0, getattr(config, "init_method_std", 0.02), generator=gen)
         lo = self.tp_rank * self.num_q_heads
-        return full[lo:lo + self.num_q_heads].to(getattr(config, "params_dtype", torch.float32))
+        return full[lo : lo + self.num_q_heads].to(getattr(config, "params_dtype", torch.float32))
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         """The learnable sinks, sharded over tensor parallelism on dim 0 (as Megatron's own
@@ -237,8 +264,9 @@ class UlyssesAttention(MegatronModule):
         if "dp_cp_group" in params:
             dp_cp = (metadata or {}).get("dp_cp_group")
             kw["dp_cp_group"] = dp_cp or parallel_state.get_data_parallel_group(with_context_parallel=True)
-        return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix,
-                                                   {"softmax_offset": 0}, sharded_offsets, **kw)
+        return make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True), prefix, {"softmax_offset": 0}, sharded_offsets, **kw
+        )
 
     def _packed(self, psp):
         """(cu_seqlens for the kernel, real lengths or None, cu_seqlens_kv, token order) of

@@ -41,7 +41,6 @@ import importlib.util
 from typing import Dict, Tuple
 
 
-
 class PatchState:
     """Everything the patches hold, in one place: the originals they replaced (to put back), the
     settings ``fold_args`` read from the flags, the shared local-attention spec of
@@ -88,14 +87,30 @@ SPEC_FUNCTIONS = {
 def add_ulysses_args(parser):
     """Megatron-LM ``extra_args_provider``: adds ``--ulysses-degree``."""
     g = parser.add_argument_group(title="ulysses sequence parallelism")
-    g.add_argument("--ulysses-degree", type=int, default=1,
-                   help="Ulysses all-to-all sequence-parallel degree (inner level of context parallelism)")
-    g.add_argument("--ulysses-attention-backend", choices=["auto", "sdpa", "flash", "te"], default="auto",
-                   help="inner attention kernel (auto: TE with TE specs, SDPA otherwise)")
-    g.add_argument("--loss-chunk-tokens", type=int, default=None,
-                   help="output layer + cross-entropy this many tokens at a time (no whole logits; default off)")
-    g.add_argument("--mlp-chunk-tokens", type=int, default=None,
-                   help="each MLP this many tokens at a time, recomputed in backward (default off)")
+    g.add_argument(
+        "--ulysses-degree",
+        type=int,
+        default=1,
+        help="Ulysses all-to-all sequence-parallel degree (inner level of context parallelism)",
+    )
+    g.add_argument(
+        "--ulysses-attention-backend",
+        choices=["auto", "sdpa", "flash", "te"],
+        default="auto",
+        help="inner attention kernel (auto: TE with TE specs, SDPA otherwise)",
+    )
+    g.add_argument(
+        "--loss-chunk-tokens",
+        type=int,
+        default=None,
+        help="output layer + cross-entropy this many tokens at a time (no whole logits; default off)",
+    )
+    g.add_argument(
+        "--mlp-chunk-tokens",
+        type=int,
+        default=None,
+        help="each MLP this many tokens at a time, recomputed in backward (default off)",
+    )
     return parser
 
 
@@ -111,8 +126,13 @@ def fold_args(args):
     if u > 1 and ring > 1:
         args.hierarchical_context_parallel_sizes = [u, ring]
     args._ulysses_folded = True
-    _STATE.update(ulysses=u, cp=ring, backend=getattr(args, "ulysses_attention_backend", "auto"),
-                  loss_chunk=getattr(args, "loss_chunk_tokens", None), mlp_chunk=getattr(args, "mlp_chunk_tokens", None))
+    _STATE.update(
+        ulysses=u,
+        cp=ring,
+        backend=getattr(args, "ulysses_attention_backend", "auto"),
+        loss_chunk=getattr(args, "loss_chunk_tokens", None),
+        mlp_chunk=getattr(args, "mlp_chunk_tokens", None),
+    )
     if u > 1:
         _use_ulysses_in_local_spec()
     return args
@@ -147,9 +167,9 @@ def _use_ulysses_in_local_spec():
 
         _say("core attention: UlyssesAttention (inner kernel sdpa) for megatron.training's local attention backend")
         PATCHES.local_spec["spec"].module = UlyssesAttention
-        PATCHES.local_spec["spec"].params = {"backend": "sdpa" if _STATE["backend"] in (None, "auto", "te")
-                                             else _STATE["backend"]}
-
+        PATCHES.local_spec["spec"].params = {
+            "backend": "sdpa" if _STATE["backend"] in (None, "auto", "te") else _STATE["backend"]
+        }
 
 
 def _say(message: str) -> None:
@@ -185,10 +205,12 @@ def _wrap_init(fn):
         if _STATE["ulysses"] > 1:
             from megatron.core import parallel_state as ps
 
-            _say(f"parallel axes in force: tp {ps.get_tensor_model_parallel_world_size()} x ulysses "
-                 f"{_STATE['ulysses']} x cp {_STATE['cp']} x dp {ps.get_data_parallel_world_size()} x pp "
-                 f"{ps.get_pipeline_model_parallel_world_size()}; Megatron context-parallel size "
-                 f"{ps.get_context_parallel_world_size()} (ulysses {_STATE['ulysses']} inner x ring {_STATE['cp']})")
+            _say(
+                f"parallel axes in force: tp {ps.get_tensor_model_parallel_world_size()} x ulysses "
+                f"{_STATE['ulysses']} x cp {_STATE['cp']} x dp {ps.get_data_parallel_world_size()} x pp "
+                f"{ps.get_pipeline_model_parallel_world_size()}; Megatron context-parallel size "
+                f"{ps.get_context_parallel_world_size()} (ulysses {_STATE['ulysses']} inner x ring {_STATE['cp']})"
+            )
         return out
 
     initialize_model_parallel._ulysses = True
@@ -203,10 +225,14 @@ def _topology_of_parallel_state():
     from ulysses_mcore.topology import Topology, TopologyError
 
     try:
-        return Topology(dist.get_world_size(), tp=ps.get_tensor_model_parallel_world_size(),
-                        ulysses=max(_STATE["ulysses"], 1), cp=_STATE["cp"],
-                        pp=ps.get_pipeline_model_parallel_world_size(),
-                        ep=ps.get_expert_model_parallel_world_size())
+        return Topology(
+            dist.get_world_size(),
+            tp=ps.get_tensor_model_parallel_world_size(),
+            ulysses=max(_STATE["ulysses"], 1),
+            cp=_STATE["cp"],
+            pp=ps.get_pipeline_model_parallel_world_size(),
+            ep=ps.get_expert_model_parallel_world_size(),
+        )
     except (TopologyError, AssertionError, AttributeError, RuntimeError):
         return None  # a layout Topology does not model (e.g. expert-tensor folding): groups still hold
 
@@ -251,6 +277,7 @@ def _wrap_compile_helpers(fn):
 def _wrap_setup_model(fn):
     """``setup_model_and_optimizer`` (both megatron.training versions build the model there,
     0.19 through its config-container builder): the chunked loss hooked onto each built GPTModel."""
+
     @functools.wraps(fn)
     def setup_model_and_optimizer(*a, **kw):
         out = fn(*a, **kw)
@@ -258,7 +285,7 @@ def _wrap_setup_model(fn):
         if _STATE.get("loss_chunk"):
             from ulysses_mcore.megatron.memory import enable_chunked_loss
 
-            for m in (models if isinstance(models, list) else [models]):
+            for m in models if isinstance(models, list) else [models]:
                 core = m
                 while not hasattr(core, "output_layer") and hasattr(core, "module"):
                     core = core.module  # DDP -> Float16Module -> GPTModel
@@ -292,10 +319,12 @@ def _targets():
     # megatron-core >= 0.19's own GPT builder (megatron.training.models.gpt) forces Megatron's
     # DotProductAttention into the spec when the attention backend is "local"; that name,
     # rebound, gives Ulysses around the local (SDPA) kernel instead.
-    for modname, name, wrap in (("megatron.training.arguments", "validate_args", _wrap_validate),
-                                ("megatron.training.initialize", "validate_args", _wrap_validate),
-                                ("megatron.training.training", "setup_model_and_optimizer", _wrap_setup_model),
-                                ("megatron.training.models.gpt", "MCoreDotProductAttention", _local_core_attention)):
+    for modname, name, wrap in (
+        ("megatron.training.arguments", "validate_args", _wrap_validate),
+        ("megatron.training.initialize", "validate_args", _wrap_validate),
+        ("megatron.training.training", "setup_model_and_optimizer", _wrap_setup_model),
+        ("megatron.training.models.gpt", "MCoreDotProductAttention", _local_core_attention),
+    ):
         try:
             mod = importlib.import_module(modname)
         except Exception:  # Megatron-LM (megatron.training) not installed: megatron-core alone
@@ -318,8 +347,11 @@ def _targets():
                 continue
         for name in ("initialize_model_parallel", *SPEC_FUNCTIONS):
             if hasattr(mod, name) and (mod, name) not in [(m, n) for m, n, _ in out]:
-                wrap = _wrap_init if name == "initialize_model_parallel" else (
-                    lambda f, b=SPEC_FUNCTIONS[name]: _wrap_spec(f, b))
+                wrap = (
+                    _wrap_init
+                    if name == "initialize_model_parallel"
+                    else (lambda f, b=SPEC_FUNCTIONS[name]: _wrap_spec(f, b))
+                )
                 out.append((mod, name, wrap))
     return out
 

@@ -18,6 +18,7 @@ Checkpoints do not depend on the Ulysses degree (or TP/PP): resume with other de
 from __future__ import annotations
 
 import csv
+import functools
 import math
 import os
 import resource
@@ -35,7 +36,7 @@ from .checkpoint import inspect_checkpoint, load_checkpoint, save_checkpoint, sc
 
 # ------------------------------------------------------------------------ main
 def main(argv=None):
-    _START["time"] = time.time()
+    run = Run()
     args = build_parser(__doc__).parse_args(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
@@ -44,9 +45,8 @@ def main(argv=None):
     except ValueError as e:  # every rank runs the same checks: every rank exits here, no collective yet
         print(f"error: {e}", file=sys.stderr)
         return 2
-    _SIGNAL["received"] = False
     if args.exit_signal_handler:  # Megatron-LM's: note SIGTERM, act on it at the end of the iteration
-        signal.signal(signal.SIGTERM, lambda signum, frame: _SIGNAL.update(received=True))
+        signal.signal(signal.SIGTERM, lambda signum, frame: setattr(run, "signalled", True))
 
     from ulysses_mcore.megatron import cpu_compat
 
@@ -57,12 +57,14 @@ def main(argv=None):
         cpu_compat.apply()
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS") or "1")))
     if "RANK" not in os.environ:  # plain `python examples/pretrain_gpt.py`: a world of one
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29533"))
+        os.environ.update(
+            RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29533")
+        )
     from datetime import timedelta
 
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(minutes=args.distributed_timeout_minutes))
     try:
-        return train(args, topo, use_cuda)
+        return train(args, topo, use_cuda, run)
     except (ValueError, FileNotFoundError) as e:  # raised alike on every rank (data, checkpoint checks)
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
@@ -70,18 +72,26 @@ def main(argv=None):
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 3
     except Exception as e:  # noqa: BLE001 - reported as what it is, on this rank
-        rank, it = dist.get_rank(), _PROGRESS["iteration"] + 1
+        rank, it = dist.get_rank(), run.iteration + 1
         first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
         if is_collective_failure(e):
-            print(f"error: rank {rank}: a collective failed at iteration {it} -- a peer rank died or stopped "
-                  f"responding within --distributed-timeout-minutes {args.distributed_timeout_minutes} "
-                  f"({type(e).__name__}: {first}). Check the other ranks' logs.", file=sys.stderr, flush=True)
+            print(
+                f"error: rank {rank}: a collective failed at iteration {it} -- a peer rank died or stopped "
+                f"responding within --distributed-timeout-minutes {args.distributed_timeout_minutes} "
+                f"({type(e).__name__}: {first}). Check the other ranks' logs.",
+                file=sys.stderr,
+                flush=True,
+            )
             return 4
         import traceback
 
         traceback.print_exc()
-        print(f"error: rank {rank}: {type(e).__name__} at iteration {it}: {first} (a local error on this rank; "
-              f"the traceback above says where)", file=sys.stderr, flush=True)
+        print(
+            f"error: rank {rank}: {type(e).__name__} at iteration {it}: {first} (a local error on this rank; "
+            f"the traceback above says where)",
+            file=sys.stderr,
+            flush=True,
+        )
         return 1
     finally:
         from ulysses_mcore.megatron import groups
@@ -90,199 +100,358 @@ def main(argv=None):
         dist.destroy_process_group()
 
 
-_PROGRESS = {"iteration": 0}
-_START = {"time": time.time()}
-_SIGNAL = {"received": False}
+class Run:
+    """One run's state: when it started, whether SIGTERM came, the iteration reached (for the
+    error message of a failure), and the parts the steps below build and advance."""
 
-def train(args, topo, use_cuda):
-    import ulysses_mcore
+    def __init__(self):
+        self.started = time.time()
+        self.signalled = False
+        self.iteration = 0
+        self.consumed = 0
+
+
+def train(args, topo, use_cuda, run: Run):
+    """Megatron-LM's pretraining loop in named steps: start-up, data, model, resume, then
+    iterations (train step, log, evaluate, save, exit checks)."""
+    _initialize(args, topo)
+    if args.load:  # every check of the checkpoint before any work: the same error on every rank
+        checkpoint = inspect_checkpoint(args)
+    data = _Data(args)
+    model, optimizer, scheduler = _build_model(args)
+    if args.load:
+        _resume(args, run, checkpoint, model, optimizer, scheduler)
+    log = _Metrics(args, run.iteration) if _is_logging_rank() else None
+    data.announce(run.consumed)
+    reason = None
+    save = functools.partial(
+        save_checkpoint, args.save, model=model, optimizer=optimizer, scheduler=scheduler, args=args
+    )
+    saved = True  # nothing trained since the checkpoint (or the start) yet
+    while run.iteration < args.train_iters:
+        _iteration(args, run, data, model, optimizer, scheduler, log, use_cuda)
+        saved = bool(args.save and args.save_interval and run.iteration % args.save_interval == 0)
+        if saved:
+            save(iteration=run.iteration, consumed_samples=run.consumed)
+        reason = _exit_reason(args, run)
+        if reason:
+            break
+    if args.save and not saved:  # the last iteration, or an exit (nothing is saved again when nothing was trained)
+        save(iteration=run.iteration, consumed_samples=run.consumed)
+    if reason and dist.get_rank() == 0:
+        print(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] exiting program {reason}", flush=True)
+    return 0
+
+
+def _is_logging_rank() -> bool:
+    """The first rank of the last pipeline stage (where the loss is)."""
     from megatron.core import parallel_state as ps
+
+    return (
+        ps.is_pipeline_last_stage()
+        and ps.get_tensor_model_parallel_rank() == 0
+        and ps.get_data_parallel_rank() == 0
+        and ps.get_context_parallel_rank() == 0
+    )
+
+
+def _initialize(args, topo):
+    import ulysses_mcore
     from megatron.core import tensor_parallel
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from ulysses_mcore.megatron import data as D
-    from ulysses_mcore.megatron import training
-    from ulysses_mcore.megatron.batch import document_boundaries, pack_batch, reset_position_ids, shard_batch
-    from ulysses_mcore.megatron.specs import get_ulysses_layer_spec
-
-    ulysses_mcore.initialize(tp=topo.tp, ulysses=topo.ulysses, cp=topo.cp, pp=topo.pp,
-                             distributed_timeout_minutes=max(1, int(math.ceil(args.distributed_timeout_minutes))),
-                             num_attention_heads=args.num_attention_heads,
-                             num_query_groups=args.num_query_groups, seq_length=args.seq_length)
+    ulysses_mcore.initialize(
+        tp=topo.tp,
+        ulysses=topo.ulysses,
+        cp=topo.cp,
+        pp=topo.pp,
+        distributed_timeout_minutes=max(1, int(math.ceil(args.distributed_timeout_minutes))),
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        seq_length=args.seq_length,
+    )
     torch.manual_seed(args.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
-    rank = dist.get_rank()
-    if args.load:  # every check of the checkpoint before any work: the same error on every rank
-        ckpt, extra, note = inspect_checkpoint(args)
 
-    # ---- data
-    tok = D.ByteTokenizer()
-    prefix = args.data_path
-    if prefix is None:
-        prefix = os.path.join(corpus_dir(args), "kjv")
-        if rank == 0 and not os.path.exists(prefix + ".idx"):
-            D.write_indexed_dataset(D.read_documents(D.EMBEDDED_CORPUS), prefix, tok, progress=False)
-        dist.barrier()
-    G = args.global_batch_size
-    n_eval = (args.train_iters // args.eval_interval + 1) * args.eval_iters if args.eval_interval else 0
-    train_ds, valid_ds, _ = D.build_gpt_datasets(prefix, seq_length=args.seq_length, seed=args.seed,
-                                                 split=args.split, samples=[args.train_iters * G, n_eval * G, 0],
-                                                 tokenizer=tok)
-    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    sampler = D.GlobalBatchSampler(train_ds, global_batch_size=G, micro_batch_size=args.micro_batch_size,
-                                   dp_size=dp, dp_rank=dp_rank)
-    vsampler = D.GlobalBatchSampler(valid_ds, global_batch_size=G, micro_batch_size=args.micro_batch_size,
-                                    dp_size=dp, dp_rank=dp_rank) if valid_ds is not None and n_eval else None
 
-    # ---- model, optimizer, scheduler
-    # padded independently of tp (unlike Megatron-LM), so checkpoints reshard across tp
-    vocab = padded_vocab(args)
+class _Data:
+    """Megatron's GPTDataset over the corpus, global-batch samplers, and the sharding of a batch."""
+
+    def __init__(self, args):
+        from megatron.core import parallel_state as ps
+
+        from ulysses_mcore.megatron import data as D
+
+        self.args, self.tok = args, D.ByteTokenizer()
+        prefix = args.data_path
+        if prefix is None:  # the embedded corpus, indexed once
+            prefix = os.path.join(corpus_dir(args), "kjv")
+            if dist.get_rank() == 0 and not os.path.exists(prefix + ".idx"):
+                D.write_indexed_dataset(D.read_documents(D.EMBEDDED_CORPUS), prefix, self.tok, progress=False)
+            dist.barrier()
+        G = args.global_batch_size
+        n_eval = (args.train_iters // args.eval_interval + 1) * args.eval_iters if args.eval_interval else 0
+        train_ds, valid_ds, _ = D.build_gpt_datasets(
+            prefix,
+            seq_length=args.seq_length,
+            seed=args.seed,
+            split=args.split,
+            samples=[args.train_iters * G, n_eval * G, 0],
+            tokenizer=self.tok,
+        )
+        kw = dict(
+            global_batch_size=G,
+            micro_batch_size=args.micro_batch_size,
+            dp_size=ps.get_data_parallel_world_size(),
+            dp_rank=ps.get_data_parallel_rank(),
+        )
+        self.sampler = D.GlobalBatchSampler(train_ds, **kw)
+        self.vsampler = D.GlobalBatchSampler(valid_ds, **kw) if valid_ds is not None and n_eval else None
+        # a packed micro-batch is one stream of micro-batch-size x seq-length tokens
+        seq, mbs = args.seq_length, args.micro_batch_size
+        self.sched = (
+            dict(seq_length=seq * mbs, micro_batch_size=1)
+            if args.reset_attention_mask
+            else dict(seq_length=seq, micro_batch_size=mbs)
+        )
+
+    def shard(self, mbs):
+        from ulysses_mcore.megatron.batch import pack_batch, reset_position_ids, shard_batch
+
+        args = self.args
+        if args.reset_attention_mask:  # one packed THD stream per micro-batch, documents split at EOD
+            return [shard_batch(pack_batch(mb, self.tok.eod, reset_positions=args.reset_position_ids)) for mb in mbs]
+        if args.reset_position_ids:
+            mbs = [reset_position_ids(mb, self.tok.eod) for mb in mbs]
+        return [shard_batch(mb, load_balanced=True) for mb in mbs]
+
+    def announce(self, consumed):
+        from ulysses_mcore.megatron.batch import document_boundaries
+
+        args = self.args
+        if args.reset_attention_mask and dist.get_rank() == 0:
+            first = self.sampler.microbatches(consumed)
+            n_docs = sum(len(document_boundaries(mb["tokens"], self.tok.eod)) - 1 for mb in first)
+            print(
+                f"[ulysses-mcore] --reset-attention-mask: each micro-batch is one packed THD stream of "
+                f"{args.micro_batch_size} x {args.seq_length} tokens split at EOD (cu_seqlens, no [s, s] mask); "
+                f"{n_docs} documents in rank 0's first {len(first)} micro-batches",
+                flush=True,
+            )
+
+
+def _build_model(args):
+    """(DDP GPTModel, Megatron optimizer, Megatron LR scheduler) of the flags; the same initial
+    model for every tp / pp / ulysses / cp / dp layout (one --seed)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from ulysses_mcore.megatron import training
+    from ulysses_mcore.megatron.specs import get_ulysses_layer_spec
+
     te = args.transformer_impl == "transformer_engine"
     backend = args.attention_backend if args.attention_backend != "auto" else ("te" if te else "sdpa")
-    ffn = args.ffn_hidden_size or (int((4 * args.hidden_size * 2 / 3) / 64) * 64 if args.swiglu
-                                   else 4 * args.hidden_size)
-    cfg = training.gpt_config(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=ffn,
-        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
-        normalization=args.normalization, gated_linear_unit=args.swiglu,
-        activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
-        add_bias_linear=not args.disable_bias_linear, init_method_std=args.init_method_std,
-        attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
-        bf16=args.bf16, params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
-        sequence_parallel=args.sequence_parallel,
-        recompute_granularity=args.recompute_granularity,
-        recompute_method="uniform" if args.recompute_granularity == "full" else None,
-        recompute_num_layers=1 if args.recompute_granularity == "full" else None,
+    cfg = training.gpt_config(**_config_of(args))
+    model = training.build_gpt(
+        cfg,
+        vocab_size=padded_vocab(args),  # padded independently of tp: checkpoints reshard
+        max_sequence_length=args.max_position_embeddings or args.seq_length,
+        position_embedding_type=args.position_embedding_type,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        layer_spec=get_ulysses_layer_spec(
+            "te" if (te or backend == "te") else "local",
+            backend=backend,
+            normalization=args.normalization,
+            mlp_chunk_tokens=args.mlp_chunk_tokens,
+        ),
     )
-    base = "te" if (te or backend == "te") else "local"
-    model = training.build_gpt(cfg, vocab_size=vocab, max_sequence_length=args.max_position_embeddings or args.seq_length,
-                               position_embedding_type=args.position_embedding_type,
-                               share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-                               layer_spec=get_ulysses_layer_spec(base, backend=backend, normalization=args.normalization,
-                                                                 mlp_chunk_tokens=args.mlp_chunk_tokens))
     if args.loss_chunk_tokens:
         from ulysses_mcore.megatron.memory import enable_chunked_loss
 
         enable_chunked_loss(model.module, args.loss_chunk_tokens)
-    # the same initial model for every tp / pp / ulysses / cp / dp layout (one --seed)
     training.init_layout_independent(model, cfg, args.seed)
-    optimizer = training.build_optimizer(model, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
-                                         clip_grad=args.clip_grad, bf16=args.bf16,
-                                         use_distributed_optimizer=args.use_distributed_optimizer,
-                                         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
-                                         adam_eps=args.adam_eps)
+    optimizer = training.build_optimizer(
+        model,
+        lr=args.lr,
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        clip_grad=args.clip_grad,
+        bf16=args.bf16,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps,
+    )
     scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0, **schedule_from_flags(args),  # the values a checkpoint's schedule is checked against
+        optimizer,
+        init_lr=0.0,
+        **schedule_from_flags(args),  # the values a checkpoint's schedule is checked against
         override_opt_param_scheduler=args.override_opt_param_scheduler,
         use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
     )
-    iteration, consumed = 0, 0
-    if args.load:
-        t_load = time.time()
-        if rank == 0:
-            print(f"loading checkpoint from {args.load} at iteration {extra['iteration']}{note}", flush=True)
-        iteration, consumed = load_checkpoint(ckpt, extra, model, optimizer, scheduler)
-        if rank == 0:
-            print(f"  successfully loaded checkpoint from {args.load} at iteration {iteration} "
-                  f"({time.time() - t_load:.2f} s)", flush=True)
-            print(f"[ulysses-mcore] resumed from {args.load} at iteration {iteration} "
-                  f"({consumed} samples consumed)", flush=True)
+    return model, optimizer, scheduler
 
-    # ---- logging target: first rank of the last pipeline stage
-    is_logger = (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
-                 and dp_rank == 0 and ps.get_context_parallel_rank() == 0)
-    log_dir = metrics_dir(args)
-    writer = None
-    if is_logger:
+
+def _config_of(args) -> dict:
+    """Megatron TransformerConfig keywords of the flags."""
+    full = args.recompute_granularity == "full"
+    ffn = args.ffn_hidden_size or (
+        int((4 * args.hidden_size * 2 / 3) / 64) * 64 if args.swiglu else 4 * args.hidden_size
+    )
+    return dict(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=ffn,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        normalization=args.normalization,
+        gated_linear_unit=args.swiglu,
+        activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
+        add_bias_linear=not args.disable_bias_linear,
+        init_method_std=args.init_method_std,
+        attention_dropout=args.attention_dropout,
+        hidden_dropout=args.hidden_dropout,
+        bf16=args.bf16,
+        params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        sequence_parallel=args.sequence_parallel,
+        recompute_granularity=args.recompute_granularity,
+        recompute_method="uniform" if full else None,
+        recompute_num_layers=1 if full else None,
+    )
+
+
+def _resume(args, run, checkpoint, model, optimizer, scheduler):
+    ckpt, extra, note = checkpoint
+    rank, t_load = dist.get_rank(), time.time()
+    if rank == 0:
+        print(f"loading checkpoint from {args.load} at iteration {extra['iteration']}{note}", flush=True)
+    run.iteration, run.consumed = load_checkpoint(ckpt, extra, model, optimizer, scheduler)
+    if rank == 0:
+        print(
+            f"  successfully loaded checkpoint from {args.load} at iteration {run.iteration} "
+            f"({time.time() - t_load:.2f} s)",
+            flush=True,
+        )
+        print(
+            f"[ulysses-mcore] resumed from {args.load} at iteration {run.iteration} ({run.consumed} samples consumed)",
+            flush=True,
+        )
+
+
+class _Metrics:
+    """metrics.csv of the logging rank: one row per logged iteration (a resumed run drops the rows
+    after its checkpoint: those iterations are trained again)."""
+
+    COLUMNS = [
+        "iteration",
+        "consumed_samples",
+        "lm_loss",
+        "lr",
+        "grad_norm",
+        "ms_per_iter",
+        "tokens_per_second",
+        "peak_memory_gb",
+        "kind",
+    ]
+
+    def __init__(self, args, iteration):
+        log_dir = metrics_dir(args)
         os.makedirs(log_dir, exist_ok=True)
         metrics = os.path.join(log_dir, "metrics.csv")
         fresh = not os.path.exists(metrics) or not args.load
-        if not fresh:  # resumed: the iterations after the checkpoint are trained again, keep one row each
+        if not fresh:
             dropped = trim_metrics(metrics, iteration)
             if dropped:
-                print(f"[ulysses-mcore] {metrics}: dropped {dropped} rows after iteration {iteration} "
-                      "(they are trained again)", flush=True)
-        fh = open(metrics, "w" if fresh else "a", newline="")
-        writer = csv.writer(fh)
+                print(
+                    f"[ulysses-mcore] {metrics}: dropped {dropped} rows after iteration {iteration} "
+                    "(they are trained again)",
+                    flush=True,
+                )
+        self.fh = open(metrics, "w" if fresh else "a", newline="")
+        self.writer = csv.writer(self.fh)
         if fresh:
-            writer.writerow(["iteration", "consumed_samples", "lm_loss", "lr", "grad_norm", "ms_per_iter",
-                             "tokens_per_second", "peak_memory_gb", "kind"])
-    seq = args.seq_length
+            self.writer.writerow(self.COLUMNS)
 
-    def shard(mbs):
-        if args.reset_attention_mask:  # one packed THD stream per micro-batch, documents split at EOD
-            return [shard_batch(pack_batch(mb, tok.eod, reset_positions=args.reset_position_ids)) for mb in mbs]
-        if args.reset_position_ids:
-            mbs = [reset_position_ids(mb, tok.eod) for mb in mbs]
-        return [shard_batch(mb, load_balanced=True) for mb in mbs]
-
-    # a packed micro-batch is one stream of micro-batch-size x seq-length tokens
-    sched_seq, sched_mbs = (seq * args.micro_batch_size, 1) if args.reset_attention_mask else (seq, args.micro_batch_size)
-
-    if args.reset_attention_mask and rank == 0:
-        first = sampler.microbatches(consumed)
-        n_docs = sum(len(document_boundaries(mb["tokens"], tok.eod)) - 1 for mb in first)
-        print(f"[ulysses-mcore] --reset-attention-mask: each micro-batch is one packed THD stream of "
-              f"{args.micro_batch_size} x {seq} tokens split at EOD (cu_seqlens, no [s, s] mask); "
-              f"{n_docs} documents in rank 0's first {len(first)} micro-batches", flush=True)
-    saved = True  # nothing trained since the checkpoint (or the start) yet
-    while iteration < args.train_iters:
-        t0 = time.perf_counter()
-        mbs = shard(sampler.microbatches(consumed))
-        lr = optimizer.param_groups[0]["lr"]
-        m = training.train_step(model, optimizer, mbs, seq_length=sched_seq, micro_batch_size=sched_mbs,
-                                scheduler=scheduler, increment=G, iteration=iteration + 1,
-                                on_nonfinite=args.on_nan)
-        iteration += 1
-        consumed += G
-        _PROGRESS["iteration"] = iteration
-        dt = time.perf_counter() - t0
-        if m["skipped"] and is_logger:
-            print(f"[ulysses-mcore] {m['message']}: update skipped (--on-nan skip)", flush=True)
-        peak = (torch.cuda.max_memory_allocated() if use_cuda
-                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 1e9
-        tps = G * seq / dt
-        if is_logger and iteration % args.log_interval == 0:
-            print(f" iteration {iteration:8d}/{args.train_iters:8d} | consumed samples: {consumed:12d} | "
-                  f"elapsed time per iteration (ms): {dt * 1e3:.1f} | learning rate: {lr:.6E} | "
-                  f"global batch size: {G:5d} | lm loss: {m['loss']:.6E} | grad norm: {m['grad_norm']:.3f} | "
-                  f"tokens per second: {tps:.0f} | peak memory (GB): {peak:.2f} |", flush=True)
-            writer.writerow([iteration, consumed, f"{m['loss']:.8e}", f"{lr:.6e}", f"{m['grad_norm']:.6f}",
-                             f"{dt * 1e3:.2f}", f"{tps:.1f}", f"{peak:.3f}", "train"])
-            fh.flush()
-        if vsampler is not None and args.eval_interval and iteration % args.eval_interval == 0:
-            losses = [training.evaluate(model, shard(vsampler.microbatches(i * G)), seq_length=sched_seq,
-                                        micro_batch_size=sched_mbs) for i in range(args.eval_iters)]
-            if is_logger:
-                val = sum(losses) / len(losses)
-                print(f" validation loss at iteration {iteration} | lm loss value: {val:.6E} | "
-                      f"lm loss PPL: {math.exp(min(val, 50)):.6E} |", flush=True)
-                writer.writerow([iteration, consumed, f"{val:.8e}", "", "", "", "", "", "valid"])
-                fh.flush()
-        saved = False
-        if args.save and args.save_interval and iteration % args.save_interval == 0:
-            save_checkpoint(args.save, iteration, model, optimizer, scheduler, consumed, args)
-            saved = True
-        reason = _exit_reason(args, iteration)
-        if reason:
-            if args.save and not saved:
-                save_checkpoint(args.save, iteration, model, optimizer, scheduler, consumed, args)
-            if rank == 0:
-                print(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] exiting program {reason}", flush=True)
-            return 0
-    if args.save and not saved:  # the last iteration (nothing is saved again when nothing was trained)
-        save_checkpoint(args.save, iteration, model, optimizer, scheduler, consumed, args)
-    return 0
+    def row(self, *values):
+        self.writer.writerow(values)
+        self.fh.flush()
 
 
-def _exit_reason(args, iteration):
+def _iteration(args, run, data, model, optimizer, scheduler, log, use_cuda):
+    """One training iteration, its log line and row, and the evaluation when it is due."""
+    from ulysses_mcore.megatron import training
+
+    G, t0 = args.global_batch_size, time.perf_counter()
+    mbs = data.shard(data.sampler.microbatches(run.consumed))
+    lr = optimizer.param_groups[0]["lr"]
+    m = training.train_step(
+        model,
+        optimizer,
+        mbs,
+        scheduler=scheduler,
+        increment=G,
+        iteration=run.iteration + 1,
+        on_nonfinite=args.on_nan,
+        **data.sched,
+    )
+    run.iteration += 1
+    run.consumed += G
+    dt = time.perf_counter() - t0
+    if m["skipped"] and log:
+        print(f"[ulysses-mcore] {m['message']}: update skipped (--on-nan skip)", flush=True)
+    if log and run.iteration % args.log_interval == 0:
+        peak = (
+            torch.cuda.max_memory_allocated() if use_cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        ) / 1e9
+        tps = G * args.seq_length / dt
+        print(
+            f" iteration {run.iteration:8d}/{args.train_iters:8d} | consumed samples: {run.consumed:12d} | "
+            f"elapsed time per iteration (ms): {dt * 1e3:.1f} | learning rate: {lr:.6E} | "
+            f"global batch size: {G:5d} | lm loss: {m['loss']:.6E} | grad norm: {m['grad_norm']:.3f} | "
+            f"tokens per second: {tps:.0f} | peak memory (GB): {peak:.2f} |",
+            flush=True,
+        )
+        log.row(
+            run.iteration,
+            run.consumed,
+            f"{m['loss']:.8e}",
+            f"{lr:.6e}",
+            f"{m['grad_norm']:.6f}",
+            f"{dt * 1e3:.2f}",
+            f"{tps:.1f}",
+            f"{peak:.3f}",
+            "train",
+        )
+    if data.vsampler is not None and args.eval_interval and run.iteration % args.eval_interval == 0:
+        _evaluate(args, run, data, model, log)
+
+
+def _evaluate(args, run, data, model, log):
+    from ulysses_mcore.megatron import training
+
+    G = args.global_batch_size
+    losses = [
+        training.evaluate(model, data.shard(data.vsampler.microbatches(i * G)), **data.sched)
+        for i in range(args.eval_iters)
+    ]
+    if log:
+        val = sum(losses) / len(losses)
+        print(
+            f" validation loss at iteration {run.iteration} | lm loss value: {val:.6E} | "
+            f"lm loss PPL: {math.exp(min(val, 50)):.6E} |",
+            flush=True,
+        )
+        log.row(run.iteration, run.consumed, f"{val:.8e}", "", "", "", "", "", "valid")
+
+
+def _exit_reason(args, run: Run):
     """Megatron-LM's exits, agreed by every rank: SIGTERM seen by any rank (--exit-signal-handler),
     time up on any rank (--exit-duration-in-mins): one all-reduce per iteration, only with those
     flags; --exit-interval needs none."""
+    iteration = run.iteration
     if args.exit_signal_handler or args.exit_duration_in_mins:
-        minutes = (time.time() - _START["time"]) / 60.0
-        flags = torch.tensor([float(_SIGNAL["received"]),
-                              float(bool(args.exit_duration_in_mins) and minutes > args.exit_duration_in_mins)])
+        minutes = (time.time() - run.started) / 60.0
+        flags = torch.tensor(
+            [float(run.signalled), float(bool(args.exit_duration_in_mins) and minutes > args.exit_duration_in_mins)]
+        )
         dev = "cuda" if dist.get_backend() == "nccl" else "cpu"
         flags = flags.to(dev)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)

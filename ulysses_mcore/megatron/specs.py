@@ -17,6 +17,46 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from .module import UlyssesAttention
 
 
+def _same(new, old) -> bool:
+    return all(a is b for a, b in zip(new, old))
+
+
+def _walk_spec(node, visit):
+    sub = visit(node.submodules)
+    return node if sub is node.submodules else _replaced(node, submodules=sub)
+
+
+def _walk_partial(node, visit):
+    args = [visit(a) for a in node.args]
+    keywords = {k: visit(v) for k, v in node.keywords.items()}
+    if _same(args, node.args) and _same(keywords.values(), node.keywords.values()):
+        return node
+    return functools.partial(node.func, *args, **keywords)
+
+
+def _walk_sequence(node, visit):
+    items = [visit(n) for n in node]
+    return node if _same(items, node) else type(node)(items)
+
+
+def _walk_dataclass(node, visit):
+    changes = {}
+    for name in node.__dataclass_fields__:
+        child = getattr(node, name)
+        new = visit(child)
+        if new is not child:
+            changes[name] = new
+    return _replaced(node, **changes) if changes else node
+
+
+_WALKS = (  # (is this the kind of node, how to rebuild it from its visited children), first match wins
+    (lambda n: isinstance(n, ModuleSpec), _walk_spec),
+    (lambda n: isinstance(n, functools.partial), _walk_partial),
+    (lambda n: isinstance(n, (list, tuple)), _walk_sequence),
+    (lambda n: not isinstance(n, type) and hasattr(n, "__dataclass_fields__"), _walk_dataclass),
+)
+
+
 def _rewrite(spec, replace):
     """``spec`` with every node for which ``replace(node)`` is not None replaced by it.
 
@@ -29,27 +69,10 @@ def _rewrite(spec, replace):
         new = replace(node)
         if new is not None:
             return new
-        if isinstance(node, ModuleSpec):
-            sub = visit(node.submodules)
-            return node if sub is node.submodules else _replaced(node, submodules=sub)
-        if isinstance(node, functools.partial):
-            args = [visit(a) for a in node.args]
-            keywords = {k: visit(v) for k, v in node.keywords.items()}
-            if all(a is b for a, b in zip(args, node.args)) and all(keywords[k] is v for k, v in node.keywords.items()):
-                return node
-            return functools.partial(node.func, *args, **keywords)
-        if isinstance(node, (list, tuple)):
-            items = [visit(n) for n in node]
-            return node if all(a is b for a, b in zip(items, node)) else type(node)(items)
-        if isinstance(node, type) or not hasattr(node, "__dataclass_fields__"):
-            return node
-        changes = {}
-        for name in node.__dataclass_fields__:
-            child = getattr(node, name)
-            new = visit(child)
-            if new is not child:
-                changes[name] = new
-        return _replaced(node, **changes) if changes else node
+        for kind, walk in _WALKS:
+            if kind(node):
+                return walk(node, visit)
+        return node
 
     return visit(spec)
 
@@ -64,9 +87,12 @@ def swap_core_attention(spec, *, backend: Union[str, object] = "sdpa", ulysses_g
     count = [0]
 
     def replace(node):
-        if (not isinstance(node, (type, ModuleSpec, functools.partial, list, tuple))
-                and hasattr(node, "__dataclass_fields__") and hasattr(node, "core_attention")
-                and (hasattr(node, "linear_qkv") or hasattr(node, "linear_kv_down_proj"))):  # self-attention, MLA too
+        if (
+            not isinstance(node, (type, ModuleSpec, functools.partial, list, tuple))
+            and hasattr(node, "__dataclass_fields__")
+            and hasattr(node, "core_attention")
+            and (hasattr(node, "linear_qkv") or hasattr(node, "linear_kv_down_proj"))
+        ):  # self-attention, MLA too
             count[0] += 1
             if hasattr(node, "linear_kv_down_proj"):
                 _mla_without_transformer_engine()

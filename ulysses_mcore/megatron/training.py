@@ -72,8 +72,9 @@ def build_gpt(
     if not wrap_ddp:
         return model
     if ddp_config is None:
-        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                   use_distributed_optimizer=False)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+        )
     ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
     config.no_sync_func = ddp.no_sync
     config.finalize_model_grads_func = finalize_model_grads
@@ -112,7 +113,8 @@ def init_layout_independent(model, config, seed: int) -> int:
         if dim >= 0:
             shape[dim] *= tp
         full = torch.empty(shape, dtype=torch.float32).normal_(
-            0.0, scaled if key.endswith(("linear_proj.weight", "linear_fc2.weight")) else std, generator=gen)
+            0.0, scaled if key.endswith(("linear_proj.weight", "linear_fc2.weight")) else std, generator=gen
+        )
         if dim >= 0:
             halves = [full]
             if config.gated_linear_unit and key.endswith("linear_fc1.weight"):
@@ -124,27 +126,57 @@ def init_layout_independent(model, config, seed: int) -> int:
     return count
 
 
-def build_optimizer(model, *, lr: float = 1e-3, min_lr: float = 0.0, weight_decay: float = 0.0,
-                    clip_grad: float = 1.0, bf16: bool = False, use_distributed_optimizer: bool = False,
-                    adam_beta1: float = 0.9, adam_beta2: float = 0.999, adam_eps: float = 1e-8):
+def build_optimizer(
+    model,
+    *,
+    lr: float = 1e-3,
+    min_lr: float = 0.0,
+    weight_decay: float = 0.0,
+    clip_grad: float = 1.0,
+    bf16: bool = False,
+    use_distributed_optimizer: bool = False,
+    adam_beta1: float = 0.9,
+    adam_beta2: float = 0.999,
+    adam_eps: float = 1e-8,
+):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    cfg = OptimizerConfig(optimizer="adam", lr=lr, min_lr=min_lr, weight_decay=weight_decay, clip_grad=clip_grad,
-                          bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
-                          use_distributed_optimizer=use_distributed_optimizer, adam_beta1=adam_beta1,
-                          adam_beta2=adam_beta2, adam_eps=adam_eps)
+    cfg = OptimizerConfig(
+        optimizer="adam",
+        lr=lr,
+        min_lr=min_lr,
+        weight_decay=weight_decay,
+        clip_grad=clip_grad,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_distributed_optimizer=use_distributed_optimizer,
+        adam_beta1=adam_beta1,
+        adam_beta2=adam_beta2,
+        adam_eps=adam_eps,
+    )
     return get_megatron_optimizer(cfg, [model])
 
 
 def _forward_step(data_iterator, model):
     batch = next(data_iterator)
-    out = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"],
-                packed_seq_params=batch.get("packed_seq_params"))
+    out = model(
+        batch["tokens"],
+        batch["position_ids"],
+        batch.get("attention_mask"),
+        labels=batch["labels"],
+        packed_seq_params=batch.get("packed_seq_params"),
+    )
     return out, partial(masked_token_loss, batch["loss_mask"])
 
 
-def forward_backward(model, microbatches: List[Dict[str, torch.Tensor]], *, seq_length: int,
-                     micro_batch_size: int, forward_only: bool = False):
+def forward_backward(
+    model,
+    microbatches: List[Dict[str, torch.Tensor]],
+    *,
+    seq_length: int,
+    micro_batch_size: int,
+    forward_only: bool = False,
+):
     """Megatron's schedule over already-sharded micro-batches; returns the loss reports."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -169,8 +201,9 @@ def _grads(model):
     # DDP keeps its buffers in lists named buffers / expert_parallel_buffers (on a bare module,
     # "buffers" is nn.Module's method: not a list, so it is skipped)
     lists = [getattr(model, n, None) for n in ("buffers", "expert_parallel_buffers")]
-    bufs = [b.grad_data for lst in lists if isinstance(lst, list) for b in lst
-            if getattr(b, "grad_data", None) is not None]
+    bufs = [
+        b.grad_data for lst in lists if isinstance(lst, list) for b in lst if getattr(b, "grad_data", None) is not None
+    ]
     return bufs or [p.main_grad for p in model.module.parameters() if getattr(p, "main_grad", None) is not None]
 
 
@@ -194,15 +227,34 @@ def _nonfinite_report(model, loss: float, iteration):
         return False, ""
     where = ""
     if bool(bad):  # a bad step: find what, on this rank (host work only now)
-        what = "loss" if not math.isfinite(loss) else next(
-            (f"gradient of {n}" for n, p in model.module.named_parameters()
-             if getattr(p, "main_grad", None) is not None and not torch.isfinite(p.main_grad).all()), "gradients")
+        what = (
+            "loss"
+            if not math.isfinite(loss)
+            else next(
+                (
+                    f"gradient of {n}"
+                    for n, p in model.module.named_parameters()
+                    if getattr(p, "main_grad", None) is not None and not torch.isfinite(p.main_grad).all()
+                ),
+                "gradients",
+            )
+        )
         where = f"; on this rank: {what}"
     return True, f"iteration {iteration}: NaN/Inf in the loss or gradients, first on rank {int(-neg_first)}{where}"
 
 
-def train_step(model, optimizer, microbatches, *, seq_length: int, micro_batch_size: int,
-               scheduler=None, increment: int = 0, iteration=None, on_nonfinite: str = "stop") -> Dict[str, float]:
+def train_step(
+    model,
+    optimizer,
+    microbatches,
+    *,
+    seq_length: int,
+    micro_batch_size: int,
+    scheduler=None,
+    increment: int = 0,
+    iteration=None,
+    on_nonfinite: str = "stop",
+) -> Dict[str, float]:
     """One optimizer step; returns the global token-weighted loss (on every rank), grad norm.
 
     Before the optimizer steps, every rank checks its loss and gradients for NaN/Inf and
@@ -219,13 +271,24 @@ def train_step(model, optimizer, microbatches, *, seq_length: int, micro_batch_s
             raise NonFiniteError(message + " (stopping: --on-nan stop)")
         model.zero_grad_buffer()
         optimizer.zero_grad()
-        return {"loss": loss, "tokens": count, "grad_norm": float("nan"), "update_successful": False,
-                "skipped": True, "message": message}
+        return {
+            "loss": loss,
+            "tokens": count,
+            "grad_norm": float("nan"),
+            "update_successful": False,
+            "skipped": True,
+            "message": message,
+        }
     ok, grad_norm, _ = optimizer.step()
     if scheduler is not None and ok:
         scheduler.step(increment=increment)
-    return {"loss": loss, "tokens": count, "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-            "update_successful": bool(ok), "skipped": False}
+    return {
+        "loss": loss,
+        "tokens": count,
+        "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+        "update_successful": bool(ok),
+        "skipped": False,
+    }
 
 
 def _loss_on_all_ranks(reports):
@@ -240,7 +303,9 @@ def _loss_on_all_ranks(reports):
     if ps.get_pipeline_model_parallel_world_size() > 1:
         dev = "cuda" if dist.get_backend() == "nccl" else "cpu"
         val = val.to(dev)
-        dist.broadcast(val, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+        dist.broadcast(
+            val, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
+        )
         val = val.cpu()
     return val[0].item(), int(val[1].item())
 
@@ -249,8 +314,9 @@ def evaluate(model, microbatches, *, seq_length: int, micro_batch_size: int) -> 
     """Token-weighted loss without gradients."""
     model.eval()
     with torch.no_grad():
-        reports = forward_backward(model, microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
-                                   forward_only=True)
+        reports = forward_backward(
+            model, microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size, forward_only=True
+        )
     model.train()
     return _loss_on_all_ranks(reports)[0]
 
@@ -267,5 +333,14 @@ def global_layer_name(model, name: str) -> str:
     return f"{m.group(1)}{layer.layer_number - 1}{m.group(3)}"
 
 
-__all__ = ["gpt_config", "build_gpt", "init_layout_independent", "build_optimizer", "forward_backward", "train_step", "evaluate",
-           "global_layer_name", "NonFiniteError"]
+__all__ = [
+    "gpt_config",
+    "build_gpt",
+    "init_layout_independent",
+    "build_optimizer",
+    "forward_backward",
+    "train_step",
+    "evaluate",
+    "global_layer_name",
+    "NonFiniteError",
+]
