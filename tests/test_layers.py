@@ -103,3 +103,10 @@ def test_functions_are_small():
             if f.nloc > SIZE_BOUNDS["nloc"] or f.cyclomatic_complexity > SIZE_BOUNDS["ccn"]:
                 big.append(f"{rel}:{f.start_line} {f.long_name}: {f.nloc} lines, complexity {f.cyclomatic_complexity}")
     assert not big, f"functions over {SIZE_BOUNDS}: split them into named steps or tables\n" + "\n".join(big)
+
+
+def test_tests_mirror_modules():
+    """tests/test_<module>.py for every module of ulysses_mcore/ and ulysses_mcore/megatron/."""
+    modules = {p.stem for d in ("ulysses_mcore", "ulysses_mcore/megatron") for p in (ROOT / d).glob("*.py")}
+    missing = sorted(m for m in modules - {"__init__"} if not (ROOT / "tests" / f"test_{m}.py").exists())
+    assert not missing, f"modules without tests/test_<module>.py: {missing}"

@@ -13,7 +13,7 @@ Ulysses divides activations by P, but two transients of every step do not shrink
   spec (:func:`ulysses_mcore.megatron.specs.swap_mlp`).
 
 Both are exact: the same per-token losses and gradients as the unchunked model up to
-floating-point summation order (tests/test_memory_features.py: 1e-5 relative in fp32).
+floating-point summation order (tests/test_memory.py: 1e-5 relative in fp32).
 
 Design choice (measured, not assumed): the loss recomputes each chunk's logits in backward
 instead of computing the gradients during the forward as Liger's fused kernel does.  The

@@ -215,7 +215,6 @@ def _parity_world(rank, world, ckpt_dir, controls):
     cpu_compat.apply()
     import ulysses_mcore
     from megatron.core import parallel_state as ps
-    from ulysses_mcore import attention
     from ulysses_mcore.megatron import groups
     from ulysses_mcore.megatron.batch import shard_batch
 
@@ -271,9 +270,9 @@ def _parity_world(rank, world, ckpt_dir, controls):
         memory.chunked_cross_entropy = lambda *a, **kw: right(*a, **dict(kw, vocab_start=0))
         out["control: chunked loss, wrong vocabulary offset"] = run(dict(tp=2, ulysses=2, mem=True), 1)
         memory.chunked_cross_entropy = right
-        ident_in = lambda q, k, v, *a, **kw: (q, k, v)  # noqa: E731
-        ident_out = lambda o, *a, **kw: o  # noqa: E731
-        attention.seq_to_head, attention.head_to_seq = ident_in, ident_out
+        from ulysses_mcore import call  # the prepared call's two exchange steps, made identities
+
+        call.exchange_qkv, call.exchange_out = (lambda q, k, v, *a: (q, k, v)), (lambda o, *a: o)
         out["control: exchange bypassed"] = run(dict(ulysses=2), 1)
     groups.destroy()
     return out
@@ -447,7 +446,7 @@ def _local(model, global_name):
     raise KeyError(global_name)
 
 
-def test_gpt_parity_with_unsharded_model(tmp_path):
+def test_training_with_unsharded_model(tmp_path):
     (tmp_path / "ckpt").mkdir()
     results = run_spawned(8, _parity_world, str(tmp_path / "ckpt"), True)
     merged = {}

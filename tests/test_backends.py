@@ -18,8 +18,8 @@ from ulysses_mcore import backends, ring as ring_mod
 from ulysses_mcore.megatron.batch import document_mask
 from ulysses_mcore.ring import attention_window, ring_segments, tile_segments
 from tests.helpers import count_collectives, reference_attention, run_threaded, run_threaded_errors
-from tests.test_attention_threaded import FP32_RTOL, rel_err
-from tests.test_hybrid_packed_threaded import hybrid_groups, shard
+from tests.test_attention import FP32_RTOL, rel_err
+from tests.test_ring import hybrid_groups, shard
 
 
 def run_variant(

@@ -220,49 +220,6 @@ def test_load_balanced_token_order(P, hq, hk, layout, chunks):
             assert rel_err(res[r][i], lb_shard(want, r, P)) < FP32_RTOL
 
 
-@pytest.mark.parametrize(
-    "P,hq,hk,layout,chunks,mask",
-    [
-        (2, 8, 8, "sbhd", 2, False),
-        (2, 8, 8, "sbhd", 4, True),
-        (2, 8, 4, "bshd", 2, True),
-        (4, 16, 8, "sbhd", 2, False),
-        (2, 8, 4, "sbhd", 2, False),
-    ],
-)
-def test_overlapped_chunks_match_reference(P, hq, hk, layout, chunks, mask):
-    errs = run_case(P, 8 * P, 2, hq, hk, 8, layout, True, mask=mask, bias=mask, chunks=chunks)
-    assert max(errs) < FP32_RTOL, errs
-
-
-def test_overlap_collective_count_and_rejection():
-    q, k, v, dout, _, _ = make_inputs(5, 16, 1, 8, 8, 8, "sbhd")
-
-    def rank_fn(rank, world):
-        qs, ks, vs = (t.chunk(world)[rank].clone().requires_grad_() for t in (q, k, v))
-        a0 = c.get("all_to_all_single")
-        out = ulysses_mcore.ulysses_attention(
-            qs, ks, vs, group=dist.group.WORLD, causal=True, overlap_chunks=4, check=False
-        )
-        a1 = c.get("all_to_all_single")
-        out.backward(dout.chunk(world)[rank])
-        return a1 - a0, c.get("all_to_all_single") - a1
-
-    with count_collectives() as c:
-        fwd, bwd = run_threaded(2, rank_fn)[0]
-    assert (fwd, bwd) == (8, 8)  # 2 x chunks each way
-    from tests.helpers import run_threaded_errors
-
-    q2, k2, v2, _, _, _ = make_inputs(6, 16, 1, 8, 2, 8, "sbhd")
-    errs = run_threaded_errors(
-        4,
-        lambda r, w: ulysses_mcore.ulysses_attention(
-            q2.chunk(w)[r], k2.chunk(w)[r], v2.chunk(w)[r], group=dist.group.WORLD, causal=True, overlap_chunks=2
-        ),
-    )
-    assert all(isinstance(e, ValueError) and "overlap_chunks=2" in str(e) for e in errs), errs
-
-
 UNEVEN = [
     # P, S, b, hq, hk, d, layout, causal, mask
     (4, 32, 2, 7, 7, 8, "sbhd", True, False),  # 7 heads at P=4: 2, 2, 2, 1

@@ -14,7 +14,7 @@ from ulysses_mcore import ring as ring_mod
 from ulysses_mcore.megatron.batch import document_mask
 from ulysses_mcore.ring import ring_attention, ring_segments
 from tests.helpers import count_collectives, reference_attention, run_threaded, run_threaded_errors
-from tests.test_attention_threaded import FP32_RTOL, make_inputs, rel_err
+from tests.test_attention import FP32_RTOL, make_inputs, rel_err
 
 
 def hybrid_groups(rank, U, C):

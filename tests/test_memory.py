@@ -2,7 +2,7 @@
 
 References: float64 cross-entropy over the whole logits (written out here), and Megatron's own
 MLP / GPTModel loss without chunking.  GPTModel-level parity with both features at ulysses 2,
-tp 2 x ulysses 2 and pp 2 x ulysses 2 against the unsharded model is in tests/test_gpt_parity.py.
+tp 2 x ulysses 2 and pp 2 x ulysses 2 against the unsharded model is in tests/test_training.py.
 """
 
 import pytest

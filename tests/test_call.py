@@ -1,0 +1,64 @@
+"""ulysses_mcore.call: a signature is validated and prepared once, then reused; the cache key
+sees every input the verdict depends on."""
+
+import torch
+import torch.distributed as dist
+
+from tests.helpers import count_collectives, reference_attention, run_threaded
+from ulysses_mcore.call import NO_TENSORS, CallCache, CallTensors, call_key, lse_columns
+from ulysses_mcore.options import attention_options
+
+OPTS = attention_options(True)
+
+
+def test_key_sees_shapes_dtypes_grads_options_groups():
+    q = torch.randn(4, 1, 2, 8)
+    base = call_key(q, q, q, OPTS, None, None, NO_TENSORS, 0, None)
+    assert base == call_key(q.clone(), q.clone(), q.clone(), OPTS, None, None, NO_TENSORS, 0, None)
+    others = [
+        call_key(q[:2], q[:2], q[:2], OPTS, None, None, NO_TENSORS, 0, None),
+        call_key(q.double(), q, q, OPTS, None, None, NO_TENSORS, 0, None),
+        call_key(q.clone().requires_grad_(), q, q, OPTS, None, None, NO_TENSORS, 0, None),
+        call_key(q, q, q, attention_options(False), None, None, NO_TENSORS, 0, None),
+        call_key(q, q, q, OPTS, object(), None, NO_TENSORS, 0, None),
+        call_key(q, q, q, OPTS, None, None, NO_TENSORS, 2, None),
+        call_key(
+            q, q, q, OPTS, None, None, CallTensors(attention_mask=torch.zeros(1, 1, 4, 4, dtype=torch.bool)), 0, None
+        ),
+    ]
+    assert all(k != base for k in others) and len(set(others)) == len(others)
+    assert call_key("not a tensor", q, q, OPTS, None, None, NO_TENSORS, 0, None) is None
+
+
+def test_host_boundaries_are_part_of_the_key():
+    q = torch.randn(8, 2, 4)
+    a = call_key(q, q, q, OPTS, None, None, CallTensors(cu_seqlens=torch.tensor([0, 3, 8])), 0, None)
+    b = call_key(q, q, q, OPTS, None, None, CallTensors(cu_seqlens=torch.tensor([0, 5, 8])), 0, None)
+    assert a != b
+
+
+def test_prepared_once_then_reused():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(16, 1, 4, 8, generator=g) for _ in range(3))
+
+    def fn(rank, world):
+        cache = CallCache()
+        outs = []
+        for S in (16, 16, 8, 16):
+            qs, ks, vs = (t[:S].chunk(world)[rank] for t in (q, k, v))
+            before = c.get("all_gather_object")
+            outs.append(cache.run(qs, ks, vs, OPTS, dist.group.WORLD, None))
+            outs.append(c.get("all_gather_object") - before)
+        return outs, len(cache.entries)
+
+    with count_collectives() as c:
+        res = run_threaded(2, fn)
+    for outs, entries in res:
+        assert outs[1::2] == [1, 0, 1, 0] and entries == 2  # two signatures, each validated once
+    out = torch.cat([r[0][0] for r in res])
+    assert (out.double() - reference_attention(q, k, v, causal=True)).abs().max() < 1e-5
+
+
+def test_lse_columns():
+    assert lse_columns(torch.float32) == 1 and lse_columns(torch.float64) == 1
+    assert lse_columns(torch.bfloat16) == 2 and lse_columns(torch.float16) == 2
