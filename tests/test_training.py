@@ -17,7 +17,7 @@ window and learnable sinks runs at ulysses 2 and tp 2 x ulysses 2 against the un
 whose core attention is float64 attention written out by hand.  The working-memory features (chunked
 linear cross-entropy in 5-token chunks + the sequence-tiled MLP in 3-token chunks) run at
 ulysses 2, tp 2 x ulysses 2 (vocab-parallel loss) and ulysses 2 x pp 2.  Negative controls: the
-same check with the Ulysses exchange bypassed, with labels shifted after sharding, or with the
+same check with the Ulysses exchange fed queries one token off, with labels shifted after sharding, or with the
 chunked loss given a wrong vocabulary offset, must fail.
 """
 
@@ -270,10 +270,12 @@ def _parity_world(rank, world, ckpt_dir, controls):
         memory.chunked_cross_entropy = lambda *a, **kw: right(*a, **dict(kw, vocab_start=0))
         out["control: chunked loss, wrong vocabulary offset"] = run(dict(tp=2, ulysses=2, mem=True), 1)
         memory.chunked_cross_entropy = right
-        from ulysses_mcore import call  # the prepared call's two exchange steps, made identities
+        from ulysses_mcore import call  # the prepared call's q/k/v exchange, fed queries one token off
 
-        call.exchange_qkv, call.exchange_out = (lambda q, k, v, *a: (q, k, v)), (lambda o, *a: o)
-        out["control: exchange bypassed"] = run(dict(ulysses=2), 1)
+        real = call.exchange_qkv
+        call.exchange_qkv = lambda q, k, v, *a: real(q.roll(1, 0), k, v, *a)
+        out["control: exchange misaligned"] = run(dict(ulysses=2), 1)
+        call.exchange_qkv = real
     groups.destroy()
     return out
 
@@ -469,7 +471,7 @@ def test_training_with_unsharded_model(tmp_path):
         assert m["loss"] < 1e-5 and m["grad"] < 1e-5, (name, m)
     for name in (
         "control: late label shift",
-        "control: exchange bypassed",
+        "control: exchange misaligned",
         "control: packed, documents ignored",
         "control: chunked loss, wrong vocabulary offset",
     ):
