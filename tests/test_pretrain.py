@@ -325,3 +325,54 @@ def test_plot_training_draws_a_png(runs, tmp_path):
     )
     assert r.returncode == 0, r.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+def test_two_torchrun_agents_as_two_nodes_give_the_same_losses(tmp_path):
+    """torchrun's own rendezvous across "nodes": two agents of 2 ranks each on this machine (c10d
+    rendezvous at one endpoint) train exactly as one agent of 4 ranks -- tp 2 x ulysses 2 across
+    the two agents' ranks, the same loss line."""
+    args = COMMON + ["--tensor-model-parallel-size", "2", "--ulysses-degree", "2"]
+    one = tmp_path / "one_agent"
+    one.mkdir()
+    r = launch(4, args, one)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    two = tmp_path / "two_agents"
+    two.mkdir()
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    endpoint = f"127.0.0.1:{free_port()}"
+    cmd = [
+        torchrun,
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        "two-agents",
+        SCRIPT,
+        *args,
+        "--log-dir",
+        str(two),
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    agents = [
+        subprocess.Popen(
+            cmd, cwd=two, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
+        for _ in range(2)
+    ]
+    try:
+        outs = [a.communicate(timeout=300)[0] for a in agents]
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                a.kill()
+    assert all(a.returncode == 0 for a in agents), "\n".join(o[-3000:] for o in outs)
+    assert any("parallel axes in force: world 4 = tp 2 x ulysses 2" in o for o in outs), outs
+    want, got = losses(one), losses(two)
+    assert sorted(got) == sorted(want) == list(range(1, 7))
+    for it in want:
+        assert close(got[it], want[it], rtol=1e-6), (it, got[it], want[it])

@@ -382,7 +382,7 @@ class QkvRoute:
         if not self.plan.regular:
             return self.unpack_grad_uneven(recv, kshape, vshape)
         gq = POOL.take((self.A, self.B, self.plan.num_q_heads, self.dq), recv.dtype, recv.device)
-        gk, gv = recv.new_empty(kshape), recv.new_empty(vshape)
+        gk, gv = (POOL.take(tuple(shape), recv.dtype, recv.device) for shape in (kshape, vshape))
         if self.replicas > 1:
             self.unpack_grad(recv, gq.view(self.dest_shapes[0]), gk.unsqueeze(3), gv.unsqueeze(3))
         else:

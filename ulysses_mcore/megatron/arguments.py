@@ -142,6 +142,12 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     g.add_argument("--log-interval", type=int, default=1)
     g.add_argument("--log-dir", default=None, help="CSV metrics go here (default: --save or runs/)")
     g.add_argument(
+        "--timing",
+        action="store_true",
+        help="time the step's phases (all-to-alls, ring, attention kernel, MLP, optimizer) and bytes sent, "
+        "per rank and iteration, into timing_rank<R>.jsonl beside metrics.csv",
+    )
+    g.add_argument(
         "--override-opt_param-scheduler",
         "--override-opt-param-scheduler",
         action="store_true",

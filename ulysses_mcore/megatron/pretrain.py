@@ -122,6 +122,7 @@ def train(args, topo, use_cuda, run: Run):
     if args.load:
         _resume(args, run, checkpoint, model, optimizer, scheduler)
     log = _Metrics(args, run.iteration) if _is_logging_rank() else None
+    timer = _Timing(args, model, optimizer) if args.timing else None
     data.announce(run.consumed)
     reason = None
     save = functools.partial(
@@ -130,6 +131,8 @@ def train(args, topo, use_cuda, run: Run):
     saved = True  # nothing trained since the checkpoint (or the start) yet
     while run.iteration < args.train_iters:
         _iteration(args, run, data, model, optimizer, scheduler, log, use_cuda)
+        if timer:
+            timer.record(run.iteration)
         saved = bool(args.save and args.save_interval and run.iteration % args.save_interval == 0)
         if saved:
             save(iteration=run.iteration, consumed_samples=run.consumed)
@@ -372,6 +375,29 @@ class _Metrics:
 
     def row(self, *values):
         self.writer.writerow(values)
+        self.fh.flush()
+
+
+class _Timing:
+    """``--timing``: each iteration's phase times and bytes sent (:mod:`.timing`), one JSON line per
+    iteration in ``timing_rank<R>.jsonl`` beside metrics.csv, on every rank."""
+
+    def __init__(self, args, model, optimizer):
+        import json
+
+        from ulysses_mcore import state
+
+        from .timing import StepTimer
+
+        reg = state.registry()
+        self.timer = StepTimer(reg.ulysses_group, reg.ring_group).install(model, optimizer)
+        os.makedirs(metrics_dir(args), exist_ok=True)
+        path = os.path.join(metrics_dir(args), f"timing_rank{dist.get_rank()}.jsonl")
+        self.fh = open(path, "a" if args.load else "w")  # a resumed run continues the file
+        self.dumps = json.dumps
+
+    def record(self, iteration):
+        self.fh.write(self.dumps({"iteration": iteration, **self.timer.take()}) + "\n")
         self.fh.flush()
 
 

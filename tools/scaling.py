@@ -1,0 +1,426 @@
+#!/usr/bin/env python3
+"""3D+SP scaling experiments: measure every layout of a world, fit a step-time model, predict.
+
+    python tools/scaling.py sweep --world 4 --out runs/sweep                 # measure (resumable)
+    python tools/scaling.py fit --out runs/sweep                             # calibrate, held-out error
+    python tools/scaling.py predict --preset h200 --model llama8b --seq-length 131072 --gpus 8,64,512
+
+``sweep`` enumerates the layouts (``tp x ulysses x cp x pp x dp``) the trainer accepts for the
+model and world (``tools/scaling_model.py``: ``Topology``, head limits, batch split, and
+``--budget-gb`` through ``tools/plan.py``), runs each as a real training run -- the project's
+trainer (``examples/pretrain_gpt.py --timing``) through ``torchrun``, or, with ``--megatron-lm
+PATH``, Megatron-LM's ``pretrain_gpt.py`` through ``megatron_patches.launch`` (step time and
+tokens/s only: Megatron-LM has no ``--timing``) -- and records per layout: tokens/s, step time,
+the time in the Ulysses all-to-alls, ring shifts, attention kernel, MLP and optimizer (timers in
+the step, the slowest rank's), peak memory and bytes sent per rank.  Medians over the iterations
+after ``--warmup``.  Results: ``OUT/sweep.json`` (the run's settings and one row per layout; a
+layout already there is not run again; a folder of another model or sequence is refused),
+``OUT/sweep.md`` and ``OUT/sweep.png`` (tokens/s and peak memory per layout, sorted).
+
+``fit`` calibrates the model's rates on the sweep's rows and reports its error on every
+measured layout: fitted on all rows, and held out (fitted on half the layouts, predicting the
+other half, both ways).  ``predict`` ranks the layouts of a GPU cluster (``--preset h100`` /
+``h200``: datasheet bandwidths and stated efficiencies, see ``PRESETS``) for a model, sequence
+and GPU count, with the memory budget of the preset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from tools.scaling_model import (  # noqa: E402
+    MODELS,
+    PRESETS,
+    Layout,
+    Run,
+    enumerate_layouts,
+    fit,
+    gpu_rates,
+    memory_gb,
+    predict,
+    rank_correlation,
+)
+
+PHASES = ("a2a", "ring", "attention", "mlp", "optimizer")
+
+
+# --------------------------------------------------------------------------- the sweep folder
+def _settings(a) -> dict:
+    return dict(
+        model=a.model,
+        seq_length=a.seq_length,
+        micro_batch_size=a.micro_batch_size,
+        global_batch_size=a.global_batch_size,
+        world=a.world,
+        iters=a.iters,
+        runner="megatron-lm" if a.megatron_lm else "trainer",
+    )
+
+
+def open_sweep(out: str, settings: dict) -> dict:
+    """The sweep record of ``out`` (new, or the one there if it is of the same settings)."""
+    path = os.path.join(out, "sweep.json")
+    if not os.path.exists(path):
+        os.makedirs(out, exist_ok=True)
+        return {"settings": settings, "rows": {}}
+    with open(path) as f:
+        rec = json.load(f)
+    old = rec.get("settings", {})
+    differ = {k: (old.get(k), v) for k, v in settings.items() if k != "iters" and old.get(k) != v}
+    if differ:
+        what = ", ".join(f"{k} {o!r} there vs {n!r} now" for k, (o, n) in differ.items())
+        raise SystemExit(
+            f"error: {path} is a sweep of other settings ({what}): use another --out, or the same settings"
+        )
+    return rec
+
+
+def save_sweep(out: str, rec: dict) -> None:
+    tmp = os.path.join(out, "sweep.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(rec, f, indent=1)
+    os.replace(tmp, os.path.join(out, "sweep.json"))
+
+
+# --------------------------------------------------------------------------- one layout
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _command(a, run: Run, lay: Layout, log_dir: str):
+    common = ["--train-iters", str(a.iters), "--log-interval", "1", "--eval-iters", "0", "--lr-warmup-iters", "0"]
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(lay.world),
+        "--master-port",
+        str(_free_port()),
+    ]
+    if a.megatron_lm:
+        flags = (
+            run.trainer_flags()
+            + lay.flags()
+            + common
+            + [
+                "--distributed-backend",
+                "gloo",
+                "--transformer-impl",
+                "local",
+                "--no-gradient-accumulation-fusion",
+                "--no-persist-layer-norm",
+                "--no-bias-gelu-fusion",
+                "--no-bias-dropout-fusion",
+                "--no-masked-softmax-fusion",
+                "--no-rope-fusion",
+                "--mock-data",
+                "--tokenizer-type",
+                "NullTokenizer",
+                "--vocab-size",
+                str(run.config["vocab_size"] - 1),
+                "--position-embedding-type",
+                "rope",
+                "--attention-dropout",
+                "0",
+                "--hidden-dropout",
+                "0",
+                "--eval-interval",
+                "1000000",
+            ]
+        )
+        env_path = os.pathsep.join([a.megatron_lm, ROOT])
+        return torchrun + [
+            "-m",
+            "megatron_patches.launch",
+            os.path.join(a.megatron_lm, "pretrain_gpt.py"),
+            *flags,
+        ], env_path
+    flags = run.trainer_flags() + lay.flags() + common + ["--timing", "--log-dir", log_dir]
+    return torchrun + [os.path.join(ROOT, "examples", "pretrain_gpt.py"), *flags], ROOT
+
+
+def _bar(done: int, total: int, width: int = 20) -> str:
+    filled = int(width * done / max(total, 1))
+    return "[" + "#" * filled + "." * (width - filled) + f"] {done}/{total}"
+
+
+def run_layout(a, run: Run, lay: Layout, index: int, count: int) -> dict:
+    """One training run of ``lay``; its row.  Shows a progress bar of its iterations."""
+    log_dir = os.path.join(a.out, lay.name)
+    cmd, pythonpath = _command(a, run, lay, log_dir)
+    env = dict(os.environ, PYTHONPATH=pythonpath, OMP_NUM_THREADS="1")
+    t0, lines = time.time(), []
+    with subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT, start_new_session=True
+    ) as proc:
+        for line in proc.stdout:
+            lines.append(line)
+            m = re.search(r"iteration\s+(\d+)/\s*(\d+)", line)
+            if m:
+                print(f"\r  ({index}/{count}) {lay.name:26s} {_bar(int(m[1]), int(m[2]))}", end="", flush=True)
+        rc = proc.wait()
+    print(
+        f"\r  ({index}/{count}) {lay.name:26s} {'done' if rc == 0 else f'FAILED (exit {rc})'} in "
+        f"{time.time() - t0:.0f} s" + " " * 20,
+        flush=True,
+    )
+    if rc != 0:
+        return {"layout": lay.name, "error": "".join(lines[-30:])}
+    return _row(a, run, lay, "".join(lines), log_dir)
+
+
+def _iteration_lines(text: str):
+    """(iteration, ms, peak GB or None) of every Megatron-style iteration line."""
+    out = []
+    for m in re.finditer(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): (\S+) \|.*", text):
+        peak = re.search(r"peak memory \(GB\): (\S+)", m[0])
+        out.append((int(m[1]), float(m[2]), float(peak[1]) if peak else None))
+    return out
+
+
+def _row(a, run: Run, lay: Layout, text: str, log_dir: str) -> dict:
+    its = [x for x in _iteration_lines(text) if x[0] > a.warmup]
+    if not its:
+        raise SystemExit(f"error: {lay.name}: no iteration after --warmup {a.warmup} in the run's output")
+    step = statistics.median(ms for _, ms, _ in its) / 1e3
+    row = {
+        "layout": lay.name,
+        "world": lay.world,
+        "step_s": step,
+        "tokens_per_s": run.global_batch_size * run.seq_length / step,
+        "peak_gb": max((p for *_, p in its if p is not None), default=None),
+        "plan_peak_gb": memory_gb(run, lay),
+        "iterations": len(its),
+    }
+    row.update(_phases(log_dir, a.warmup))
+    return row
+
+
+def _phases(log_dir: str, warmup: int) -> dict:
+    """Per phase: the median over iterations of the slowest rank's time; bytes: the largest rank's."""
+    per_rank = []
+    for name in sorted(os.listdir(log_dir)) if os.path.isdir(log_dir) else []:
+        if name.startswith("timing_rank") and name.endswith(".jsonl"):
+            with open(os.path.join(log_dir, name)) as f:
+                per_rank.append([json.loads(line) for line in f if line.strip()])
+    if not per_rank:
+        return {}
+    out = {}
+    for key in [f"{p}_s" for p in PHASES] + ["a2a_bytes", "ring_bytes"]:
+        per_iter = [
+            max(r[i][key] for r in per_rank) for i in range(len(per_rank[0])) if per_rank[0][i]["iteration"] > warmup
+        ]
+        out[key] = statistics.median(per_iter) if per_iter else 0.0
+    return out
+
+
+# --------------------------------------------------------------------------- commands
+def cmd_sweep(a) -> int:
+    run = Run(a.model, a.seq_length, a.micro_batch_size, a.global_batch_size)
+    try:
+        layouts, dropped = enumerate_layouts(a.world, run, a.budget_gb)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    if a.layouts:
+        wanted = [Layout.parse(n) for n in a.layouts.split(",")]
+        bad = [w.name for w in wanted if w not in layouts]
+        if bad:
+            why = "; ".join(f"{n}: {dropped.get(n, f'not a layout of {a.world} ranks')}" for n in bad)
+            raise SystemExit(f"error: --layouts {','.join(bad)} cannot run: {why}")
+        layouts = wanted
+    rec = open_sweep(a.out, _settings(a))
+    todo = [lay for lay in layouts if lay.name not in rec["rows"] or "error" in rec["rows"][lay.name]]
+    print(
+        f"sweep: {len(layouts)} layouts of {a.world} ranks for {a.model} at {a.seq_length} tokens "
+        f"({len(layouts) - len(todo)} measured before, {len(dropped)} dropped)",
+        flush=True,
+    )
+    for i, lay in enumerate(todo, 1):
+        rec["rows"][lay.name] = run_layout(a, run, lay, i, len(todo))
+        save_sweep(a.out, rec)  # resumable: every finished layout is on disk
+    rec["dropped"] = dropped
+    save_sweep(a.out, rec)
+    write_report(a.out, rec)
+    return 1 if any("error" in r for r in rec["rows"].values()) else 0
+
+
+def write_report(out: str, rec: dict) -> None:
+    rows = sorted((r for r in rec["rows"].values() if "error" not in r), key=lambda r: -r["tokens_per_s"])
+    s = rec["settings"]
+    lines = [
+        f"Sweep: {s['model']} at {s['seq_length']} tokens, global batch {s['global_batch_size']}, "
+        f"{s['world']} ranks ({s['runner']}); medians of the steady-state iterations, phases the slowest rank's.",
+        "",
+        "| layout | tokens/s | step ms | a2a ms | ring ms | attention ms | MLP ms | optimizer ms | "
+        "a2a MB / rank | ring MB / rank | peak GB (plan) |",
+        "|---" * 11 + "|",
+    ]
+    for r in rows:
+        ph = " | ".join(f"{r.get(p + '_s', 0) * 1e3:.1f}" for p in PHASES)
+        lines.append(
+            f"| {r['layout']} | {r['tokens_per_s']:.0f} | {r['step_s'] * 1e3:.0f} | {ph} | "
+            f"{r.get('a2a_bytes', 0) / 1e6:.1f} | {r.get('ring_bytes', 0) / 1e6:.1f} | "
+            f"{r['peak_gb'] or 0:.2f} ({r['plan_peak_gb']:.2f}) |"
+        )
+    with open(os.path.join(out, "sweep.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    _plot(out, rows, s)
+
+
+def _plot(out: str, rows, s) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 0.35 * len(rows) + 1.5), sharey=True)
+    names = [r["layout"] for r in rows][::-1]
+    ax1.barh(names, [r["tokens_per_s"] for r in rows][::-1], color="tab:blue")
+    ax1.set_xlabel("tokens / s")
+    ax2.barh(names, [r["peak_gb"] or 0 for r in rows][::-1], color="tab:orange")
+    ax2.set_xlabel("peak memory per rank (GB)")
+    fig.suptitle(f"{s['model']}, {s['seq_length']} tokens, {s['world']} ranks: every layout, fastest first")
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "sweep.png"), dpi=110)
+    plt.close(fig)
+
+
+def evaluate(rows, run: Run, gpus_per_node=None) -> dict:
+    """The model fitted on all rows and held out (two halves, each predicted from the other)."""
+    rows = sorted(rows, key=lambda r: r["layout"])
+    halves = (rows[0::2], rows[1::2])
+    result = {"in_sample": [], "held_out": []}
+    rates = fit(rows, run, gpus_per_node)
+    for r in rows:
+        result["in_sample"].append(
+            (r["layout"], r["step_s"], predict(rates, run, Layout.parse(r["layout"]), gpus_per_node)["step_s"])
+        )
+    for train, test in (halves, halves[::-1]):
+        rates_h = fit(train, run, gpus_per_node)
+        for r in test:
+            result["held_out"].append(
+                (r["layout"], r["step_s"], predict(rates_h, run, Layout.parse(r["layout"]), gpus_per_node)["step_s"])
+            )
+    result["rates"] = rates
+    for key in ("in_sample", "held_out"):
+        errs = [abs(p - m) / m for _, m, p in result[key]]
+        result[f"{key}_max_err"] = max(errs)
+        result[f"{key}_rank_corr"] = rank_correlation([m for _, m, _ in result[key]], [p for *_, p in result[key]])
+    return result
+
+
+def cmd_fit(a) -> int:
+    with open(os.path.join(a.out, "sweep.json")) as f:
+        rec = json.load(f)
+    s = rec["settings"]
+    run = Run(s["model"], s["seq_length"], s["micro_batch_size"], s["global_batch_size"])
+    rows = [r for r in rec["rows"].values() if "error" not in r and "attention_s" in r]
+    if len(rows) < 2:
+        raise SystemExit(f"error: {a.out}/sweep.json has {len(rows)} timed layouts; fit needs 2 or more (run sweep)")
+    ev = evaluate(rows, run)
+    lines = [
+        "| layout | measured step ms | model (fitted on all) | error | model (held out) | error |",
+        "|---" * 6 + "|",
+    ]
+    held = {n: p for n, _, p in ev["held_out"]}
+    for n, m, p in ev["in_sample"]:
+        lines.append(
+            f"| {n} | {m * 1e3:.0f} | {p * 1e3:.0f} | {100 * (p - m) / m:+.1f}% | {held[n] * 1e3:.0f} | "
+            f"{100 * (held[n] - m) / m:+.1f}% |"
+        )
+    lines += [
+        "",
+        f"max |error|: {100 * ev['in_sample_max_err']:.1f}% fitted on all, {100 * ev['held_out_max_err']:.1f}% "
+        f"held out; rank correlation with the measured order: {ev['in_sample_rank_corr']:.2f} / "
+        f"{ev['held_out_rank_corr']:.2f}",
+    ]
+    print("\n".join(lines))
+    with open(os.path.join(a.out, "fit.json"), "w") as f:
+        json.dump(ev, f, indent=1)
+    with open(os.path.join(a.out, "fit.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return 0
+
+
+def best_layouts(preset_name: str, model: str, seq: int, gpus: int, global_batch: int, top: int = 3):
+    """The ``top`` layouts of ``gpus`` GPUs by predicted tokens/s per GPU, and how many fit."""
+    preset = PRESETS[preset_name]
+    run = Run(model, seq, 1, global_batch, bf16=True, recompute="full", distributed_optimizer=True)
+    try:
+        layouts, _ = enumerate_layouts(gpus, run, preset["memory_gb"])
+    except ValueError:
+        return [], 0
+    rates = gpu_rates(preset)
+    scored = []
+    for lay in layouts:
+        p = predict(rates, run, lay, preset["gpus_per_node"])
+        scored.append((run.global_batch_size * seq / p["step_s"] / gpus, lay, p, memory_gb(run, lay)))
+    scored.sort(key=lambda x: -x[0])
+    return scored[:top], len(layouts)
+
+
+def cmd_predict(a) -> int:
+    if a.preset not in PRESETS:
+        raise SystemExit(f"error: --preset {a.preset!r} is unknown: use one of {sorted(PRESETS)}")
+    for gpus in (int(g) for g in a.gpus.split(",")):
+        top, n = best_layouts(a.preset, a.model, a.seq_length, gpus, a.global_batch_size or gpus, a.top)
+        if not top:
+            print(
+                f"{gpus:5d} GPUs: no layout fits {a.model} at {a.seq_length} tokens in {PRESETS[a.preset]['memory_gb']} GB"
+            )
+            continue
+        for tps, lay, p, mem in top:
+            print(
+                f"{gpus:5d} GPUs ({n} layouts fit): {lay.name:28s} {tps:9.0f} tokens/s/GPU, step {p['step_s']:.2f} s, "
+                f"peak {mem:.0f} GB"
+            )
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("sweep", help="measure every layout of a world (resumable)")
+    s.add_argument("--world", type=int, required=True)
+    s.add_argument("--out", required=True)
+    s.add_argument("--model", default="tiny", choices=sorted(MODELS))
+    s.add_argument("--seq-length", type=int, default=512)
+    s.add_argument("--micro-batch-size", type=int, default=1)
+    s.add_argument("--global-batch-size", type=int, default=4)
+    s.add_argument("--iters", type=int, default=6)
+    s.add_argument("--warmup", type=int, default=2, help="iterations left out of the medians")
+    s.add_argument("--budget-gb", type=float, default=None)
+    s.add_argument("--layouts", default=None, help="only these, e.g. tp1-u2-cp1-pp1-dp1,tp2-u1-cp1-pp1-dp1")
+    s.add_argument("--megatron-lm", default=None, help="Megatron-LM folder: run its pretrain_gpt.py instead")
+    f = sub.add_parser("fit", help="calibrate the step-time model on a sweep; its error, held out too")
+    f.add_argument("--out", required=True)
+    r = sub.add_parser("predict", help="best layouts of a GPU cluster for a model and sequence")
+    r.add_argument("--preset", default="h200")
+    r.add_argument("--model", default="llama8b", choices=sorted(MODELS))
+    r.add_argument("--seq-length", type=int, default=131072)
+    r.add_argument("--gpus", default="8,16,32,64,128,256,512,1024")
+    r.add_argument("--global-batch-size", type=int, default=None, help="default: one sequence per GPU")
+    r.add_argument("--top", type=int, default=1)
+    a = p.parse_args(argv)
+    return {"sweep": cmd_sweep, "fit": cmd_fit, "predict": cmd_predict}[a.cmd](a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

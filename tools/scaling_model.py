@@ -1,0 +1,417 @@
+"""The layouts a world can run, and a step-time model of each (used by ``tools/scaling.py``).
+
+**Layouts.**  :func:`enumerate_layouts` walks every ``tp x ulysses x cp x pp x dp`` of a world
+and keeps the ones the trainer itself accepts (``ulysses_mcore.megatron.arguments.validate``:
+``Topology``, the head limits, the sequence split, the batch split) and whose step peak fits the
+memory budget (``tools/plan.py``'s estimate); every dropped layout comes back with its reason.
+
+**Step time.**  A step of a layout is modelled phase by phase, each phase a count the layout
+implies times a rate (:func:`features`), the rates calibrated on measured steps (:func:`fit`):
+
+* attention kernel: ``a x`` its FLOPs per rank (``4 s^2 h d`` a layer, causal half, x3 for the
+  backward, the heads split over ``tp x ulysses``, the queries over ``cp``);
+* MLP: ``b x`` its FLOPs per rank; the other matrix multiplies (QKV, projection, logits) and
+  whatever the phases do not cover go to the rest: ``c0 + g x`` their FLOPs;
+* Ulysses all-to-alls and ring shifts: ``alpha x`` messages ``+ bytes / bandwidth`` per link
+  class (intra-node vs inter-node: which groups cross nodes follows from the rank order and the
+  GPUs per node);
+* tensor-parallel all-reduces, the data-parallel gradient reduction (over ``dp x ulysses x
+  cp``) and the pipeline bubble ``(pp - 1) / micro-batches``: counted from bytes and link class
+  like the all-to-alls;
+* optimizer: ``o x`` parameters per rank.
+
+Nothing overlaps in the model (this project's trainer overlaps nothing: DDP's overlap is off,
+the ring's shifts are waited on before the next block on CPU/gloo).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from tools.plan import estimate  # noqa: E402
+
+# --------------------------------------------------------------------------- models
+MODELS = {  # Llama-style, SwiGLU, GQA; "tiny" is what a 2-core CPU world trains in seconds
+    "tiny": dict(
+        num_layers=4,
+        hidden_size=128,
+        num_attention_heads=8,
+        num_query_groups=4,
+        ffn_hidden_size=384,
+        vocab_size=384,
+        swiglu=False,
+    ),
+    "llama8b": dict(
+        num_layers=32,
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_query_groups=8,
+        ffn_hidden_size=14336,
+        vocab_size=128256,
+        swiglu=True,
+    ),
+    "llama70b": dict(
+        num_layers=80,
+        hidden_size=8192,
+        num_attention_heads=64,
+        num_query_groups=8,
+        ffn_hidden_size=28672,
+        vocab_size=128256,
+        swiglu=True,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    ulysses: int = 1
+    cp: int = 1
+    pp: int = 1
+    dp: int = 1
+
+    @property
+    def name(self) -> str:
+        return f"tp{self.tp}-u{self.ulysses}-cp{self.cp}-pp{self.pp}-dp{self.dp}"
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.ulysses * self.cp * self.pp * self.dp
+
+    def flags(self) -> List[str]:
+        return [
+            "--tensor-model-parallel-size",
+            str(self.tp),
+            "--ulysses-degree",
+            str(self.ulysses),
+            "--context-parallel-size",
+            str(self.cp),
+            "--pipeline-model-parallel-size",
+            str(self.pp),
+        ]
+
+    @staticmethod
+    def parse(name: str) -> Layout:
+        try:
+            parts = {p.rstrip("0123456789"): int(p[len(p.rstrip("0123456789")) :]) for p in name.split("-")}
+            return Layout(parts["tp"], parts["u"], parts["cp"], parts["pp"], parts["dp"])
+        except (KeyError, ValueError):
+            raise ValueError(f"layout {name!r}: write it as tpT-uU-cpC-ppP-dpD, e.g. tp2-u2-cp1-pp1-dp1") from None
+
+
+@dataclass
+class Run:
+    """What a sweep runs: the model, the sequence, the batch."""
+
+    model: str = "tiny"
+    seq_length: int = 512
+    micro_batch_size: int = 1
+    global_batch_size: int = 4
+    bf16: bool = False
+    recompute: Optional[str] = None  # "full": Megatron's full activation recompute
+    distributed_optimizer: bool = False
+    extra: Dict = field(default_factory=dict)
+
+    @property
+    def config(self) -> dict:
+        if self.model not in MODELS:
+            raise ValueError(f"--model {self.model!r} is unknown: use one of {sorted(MODELS)}")
+        return dict(MODELS[self.model], **self.extra)
+
+    def trainer_flags(self) -> List[str]:
+        c = self.config
+        flags = [
+            "--num-layers",
+            c["num_layers"],
+            "--hidden-size",
+            c["hidden_size"],
+            "--num-attention-heads",
+            c["num_attention_heads"],
+            "--group-query-attention",
+            "--num-query-groups",
+            c["num_query_groups"],
+            "--ffn-hidden-size",
+            c["ffn_hidden_size"],
+            "--seq-length",
+            self.seq_length,
+            "--max-position-embeddings",
+            self.seq_length,
+            "--micro-batch-size",
+            self.micro_batch_size,
+            "--global-batch-size",
+            self.global_batch_size,
+        ]
+        flags += ["--swiglu"] if c.get("swiglu") else []
+        flags += ["--bf16"] if self.bf16 else []
+        flags += ["--recompute-granularity", self.recompute] if self.recompute else []
+        flags += ["--use-distributed-optimizer"] if self.distributed_optimizer else []
+        return [str(f) for f in flags]
+
+
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_layouts(world: int, run: Run, budget_gb: Optional[float] = None) -> Tuple[List[Layout], Dict]:
+    """(the layouts the trainer accepts and the budget holds, {dropped layout name: reason})."""
+    from ulysses_mcore.megatron.arguments import build_parser, validate
+
+    keep, dropped = [], {}
+    for tp, u, cp, pp in itertools.product(*[_divisors(world)] * 4):
+        if world % (tp * u * cp * pp):
+            continue
+        lay = Layout(tp, u, cp, pp, world // (tp * u * cp * pp))
+        args = build_parser().parse_args(run.trainer_flags() + lay.flags())
+        try:
+            validate(args, world)
+        except ValueError as e:
+            dropped[lay.name] = str(e)
+            continue
+        if budget_gb is not None:
+            peak = memory_gb(run, lay)
+            if peak > budget_gb:
+                dropped[lay.name] = f"step peak {peak:.2f} GB > --budget-gb {budget_gb:g} (tools/plan.py)"
+                continue
+        keep.append(lay)
+    if not keep:
+        raise ValueError(
+            f"no layout of {world} ranks runs {run.model} at --seq-length {run.seq_length}"
+            + (f" within --budget-gb {budget_gb:g}" if budget_gb is not None else "")
+            + ": "
+            + "; ".join(f"{k}: {v}" for k, v in list(dropped.items())[:3])
+        )
+    return keep, dropped
+
+
+def _estimate(run: Run, lay: Layout) -> dict:
+    """tools/plan.py's estimate of ``run`` at ``lay``, per rank."""
+    return estimate(
+        seq_length=run.seq_length,
+        micro_batch_size=run.micro_batch_size,
+        tp=lay.tp,
+        ulysses=lay.ulysses,
+        cp=lay.cp,
+        pp=lay.pp,
+        dp=lay.dp,
+        bf16=run.bf16,
+        recompute=run.recompute,
+        distributed_optimizer=run.distributed_optimizer,
+        **run.config,
+    )
+
+
+def memory_gb(run: Run, lay: Layout) -> float:
+    est = _estimate(run, lay)
+    return est["total_bytes"] / 1e9
+
+
+# --------------------------------------------------------------------------- links
+def crosses_nodes(lay: Layout, axis: str, gpus_per_node: Optional[int]) -> bool:
+    """Whether the groups of ``axis`` span more than one node (ranks ordered tp-ulysses-cp-ep-dp-pp)."""
+    if not gpus_per_node:
+        return False
+    inner = {
+        "tp": 1,
+        "ulysses": lay.tp,
+        "cp": lay.tp * lay.ulysses,
+        "dp": lay.tp * lay.ulysses * lay.cp,
+        "pp": lay.tp * lay.ulysses * lay.cp * lay.dp,
+    }[axis]
+    size = getattr(lay, axis)
+    return size > 1 and inner * size > gpus_per_node
+
+
+# --------------------------------------------------------------------------- features
+def features(run: Run, lay: Layout, gpus_per_node: Optional[int] = None) -> Dict[str, float]:
+    """Per rank, per step: the counts each phase's time is proportional to (see the module docstring)."""
+    c = run.config
+    L, h, V = c["num_layers"] / lay.pp, c["hidden_size"], c["vocab_size"]
+    heads, groups, ffn = c["num_attention_heads"], c["num_query_groups"], c["ffn_hidden_size"]
+    d, S, b = h // heads, run.seq_length, run.micro_batch_size
+    m = run.global_batch_size // (b * lay.dp)  # micro-batches per rank per step
+    tokens = S * b / (lay.ulysses * lay.cp)  # per rank per micro-batch
+    act = 2 if run.bf16 else 4
+    est = _estimate(run, lay)
+    bubble = 1 + (lay.pp - 1) / m
+    f = {
+        "attn_flops": 3 * 4 * b * S * S * d * heads / (lay.tp * lay.ulysses * lay.cp) * 0.5 * L * m * bubble,
+        "mlp_flops": 3 * 2 * tokens * h * ffn * (3 if c.get("swiglu") else 2) / lay.tp * L * m * bubble,
+        "other_flops": 3 * 2 * tokens * (h * (heads + 2 * groups) * d + heads * d * h) / lay.tp * L * m * bubble
+        + 3 * 2 * tokens * h * V / lay.tp * m,
+        "params": est["params_per_rank"],
+    }
+    for kind, key, n in (("a2a", "a2a_bytes_per_layer", 4), ("ring", "ring_bytes_per_layer", 3 * lay.cp - 2)):
+        link = "inter" if crosses_nodes(lay, "ulysses" if kind == "a2a" else "cp", gpus_per_node) else "intra"
+        f[f"{kind}_bytes_{link}"] = est[key] * L * m
+        f[f"{kind}_msgs"] = (n * L * m) if est[key] else 0.0
+    tp_bytes = 4 * 2 * (lay.tp - 1) / lay.tp * tokens * h * act * L * m  # 2 all-reduces fwd + 2 bwd a layer
+    dpx = lay.dp * lay.ulysses * lay.cp
+    dp_bytes = 2 * (dpx - 1) / dpx * est["params_per_rank"] * 4  # fp32 gradient buffer
+    # half the tensor-parallel all-reduces are inside the MLP (fc2's forward, fc1's backward), half outside
+    for kind, axis, nbytes in (("tp_mlp", "tp", tp_bytes / 2), ("tp", "tp", tp_bytes / 2), ("dp", "dp", dp_bytes)):
+        link = (
+            "inter"
+            if crosses_nodes(lay, axis, gpus_per_node)
+            or (
+                kind == "dp"
+                and (crosses_nodes(lay, "ulysses", gpus_per_node) or crosses_nodes(lay, "cp", gpus_per_node))
+            )
+            else "intra"
+        )
+        f[f"{kind}_bytes_{link}"] = f.get(f"{kind}_bytes_{link}", 0.0) + nbytes
+    return f
+
+
+# --------------------------------------------------------------------------- the model
+PHASE_TERMS = {  # measured phase -> the features its time is a non-negative combination of
+    "attention": ["attn_flops"],
+    "mlp": ["mlp_flops", "tp_mlp_bytes_intra", "tp_mlp_bytes_inter"],
+    "a2a": ["a2a_msgs", "a2a_bytes_intra", "a2a_bytes_inter"],
+    "ring": ["ring_msgs", "ring_bytes_intra", "ring_bytes_inter"],
+    "optimizer": ["params"],
+    "rest": ["const", "other_flops", "tp_bytes_intra", "tp_bytes_inter", "dp_bytes_intra", "dp_bytes_inter"],
+}
+
+
+def _nnls(A: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with non-negative coefficients (active set by elimination; small problems)."""
+    active = list(range(A.shape[1]))
+    coef = np.zeros(A.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(A[:, active], y, rcond=None)
+        if (sol >= 0).all():
+            coef[active] = sol
+            break
+        active.pop(int(np.argmin(sol)))
+    return coef
+
+
+def _row_features(row, run: Run, gpus_per_node=None) -> Dict[str, float]:
+    f = features(run, Layout.parse(row["layout"]), gpus_per_node)
+    f["const"] = 1.0
+    return f
+
+
+def fit(rows: List[dict], run: Run, gpus_per_node: Optional[int] = None) -> Dict[str, Dict[str, float]]:
+    """Rates per phase, by non-negative least squares of each measured phase time on its features
+    (``rest`` = step time less the measured phases).  Features are scaled to unit size first."""
+    feats = [_row_features(r, run, gpus_per_node) for r in rows]
+    rates = {}
+    for phase, terms in PHASE_TERMS.items():
+        y = np.array([_phase_time(r, phase) for r in rows])
+        A = np.array([[f.get(t, 0.0) for t in terms] for f in feats])
+        scale = np.where(A.max(0) > 0, A.max(0), 1.0)
+        coef = _nnls(A / scale, y) / scale
+        rates[phase] = dict(zip(terms, coef.tolist()))
+    return rates
+
+
+def _phase_time(row, phase) -> float:
+    if phase == "rest":
+        return row["step_s"] - sum(row.get(f"{p}_s", 0.0) for p in PHASE_TERMS if p != "rest")
+    return row.get(f"{phase}_s", 0.0)
+
+
+def predict(rates, run: Run, lay: Layout, gpus_per_node: Optional[int] = None) -> Dict[str, float]:
+    """Predicted seconds per phase and per step."""
+    f = features(run, lay, gpus_per_node)
+    f["const"] = 1.0
+    out = {p: sum(rates[p].get(t, 0.0) * f.get(t, 0.0) for t in terms) for p, terms in PHASE_TERMS.items()}
+    out["step_s"] = sum(out.values())
+    return out
+
+
+def gpu_rates(preset: Dict[str, float]) -> Dict[str, Dict[str, float]]:
+    """Rates of a GPU cluster from its datasheet numbers and stated efficiencies (no calibration)."""
+    flop = 1.0 / (preset["tflops"] * 1e12)
+    return {
+        "attention": {"attn_flops": flop / preset["attn_eff"]},
+        "mlp": {
+            "mlp_flops": flop / preset["gemm_eff"],
+            "tp_mlp_bytes_intra": 1 / (preset["intra_gbps"] * 1e9),
+            "tp_mlp_bytes_inter": 1 / (preset["inter_gbps"] * 1e9),
+        },
+        "a2a": {
+            "a2a_msgs": preset["alpha_us"] * 1e-6,
+            "a2a_bytes_intra": 1 / (preset["intra_gbps"] * 1e9),
+            "a2a_bytes_inter": 1 / (preset["inter_gbps"] * 1e9),
+        },
+        "ring": {
+            "ring_msgs": preset["alpha_us"] * 1e-6,
+            "ring_bytes_intra": 1 / (preset["intra_gbps"] * 1e9),
+            "ring_bytes_inter": 1 / (preset["inter_gbps"] * 1e9),
+        },
+        "optimizer": {"params": preset["opt_ns_per_param"] * 1e-9},
+        "rest": {
+            "const": preset["step_overhead_ms"] * 1e-3,
+            "other_flops": flop / preset["gemm_eff"],
+            "tp_bytes_intra": 1 / (preset["intra_gbps"] * 1e9),
+            "tp_bytes_inter": 1 / (preset["inter_gbps"] * 1e9),
+            "dp_bytes_intra": 1 / (preset["intra_gbps"] * 1e9),
+            "dp_bytes_inter": 1 / (preset["inter_gbps"] * 1e9),
+        },
+    }
+
+
+# datasheet peaks (dense bf16) and assumed efficiencies; bandwidths per GPU per direction, GB/s
+PRESETS = {
+    "h100": dict(
+        tflops=989,
+        attn_eff=0.45,
+        gemm_eff=0.6,
+        intra_gbps=450,
+        inter_gbps=50,
+        alpha_us=15,
+        opt_ns_per_param=0.05,
+        step_overhead_ms=30,
+        memory_gb=80,
+        gpus_per_node=8,
+    ),
+    "h200": dict(
+        tflops=989,
+        attn_eff=0.45,
+        gemm_eff=0.6,
+        intra_gbps=450,
+        inter_gbps=50,
+        alpha_us=15,
+        opt_ns_per_param=0.05,
+        step_overhead_ms=30,
+        memory_gb=141,
+        gpus_per_node=8,
+    ),
+}
+
+
+def rank_correlation(a, b) -> float:
+    """Spearman's rank correlation of two equally long sequences."""
+    ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
+    if len(a) < 2 or ra.std() == 0 or rb.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def layout_dict(lay: Layout) -> dict:
+    return dict(asdict(lay), name=lay.name)
+
+
+__all__ = [
+    "Layout",
+    "Run",
+    "MODELS",
+    "PRESETS",
+    "enumerate_layouts",
+    "features",
+    "fit",
+    "predict",
+    "gpu_rates",
+    "crosses_nodes",
+    "memory_gb",
+    "rank_correlation",
+]
