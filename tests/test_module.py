@@ -271,3 +271,27 @@ def test_module_rejects_unknown_softmax_type():
 
     errs = run_threaded_errors(2, rank_fn)
     assert all("config.softmax_type='sigmoid' is unknown" in str(e) for e in errs), errs
+
+
+def test_hybrid_groups_when_megatrons_collection_lacks_the_levels():
+    """Megatron's pg_collection with a context-parallel group of U x C ranks and no hierarchical
+    levels (the trainer's GPTModel): the module takes the registered Ulysses and ring groups -- the
+    ring stays on -- instead of running Ulysses over the whole context-parallel group."""
+    from types import SimpleNamespace
+
+    from ulysses_mcore import new_sequence_groups, state
+    from ulysses_mcore.megatron.module import resolve_groups
+
+    def rank_fn(rank, world):
+        ug, rg = new_sequence_groups(2, 2)
+        state.register(ug, rg)
+        try:
+            pg = SimpleNamespace(cp=dist.group.WORLD)
+            got = resolve_groups(SimpleNamespace(hierarchical_context_parallel_sizes=None), pg)
+            state.register(ug, None)  # a registry of another split: the whole group stays Ulysses
+            alone = resolve_groups(SimpleNamespace(hierarchical_context_parallel_sizes=None), pg)
+            return got == (ug, rg) and alone == (dist.group.WORLD, None)
+        finally:
+            state.clear()
+
+    assert all(run_threaded(4, rank_fn))

@@ -15,9 +15,10 @@ implies times a rate (:func:`features`), the rates calibrated on measured steps 
 * Ulysses all-to-alls and ring shifts: ``alpha x`` messages ``+ bytes / bandwidth`` per link
   class (intra-node vs inter-node: which groups cross nodes follows from the rank order and the
   GPUs per node);
-* tensor-parallel all-reduces, the data-parallel gradient reduction (over ``dp x ulysses x
-  cp``) and the pipeline bubble ``(pp - 1) / micro-batches``: counted from bytes and link class
-  like the all-to-alls;
+* tensor-parallel all-reduces (half inside the MLP), the data-parallel gradient reduction
+  (over ``dp x ulysses x cp``), pipeline sends: bytes per link class like the all-to-alls; the
+  pipeline bubble, ``(pp - 1) / micro-batches`` of a stage's work, idle time in the rest; host
+  work per layer and micro-batch (launches, Python);
 * optimizer: ``o x`` parameters per rank.
 
 Nothing overlaps in the model (this project's trainer overlaps nothing: DDP's overlap is off,
@@ -239,13 +240,19 @@ def features(run: Run, lay: Layout, gpus_per_node: Optional[int] = None) -> Dict
     tokens = S * b / (lay.ulysses * lay.cp)  # per rank per micro-batch
     act = 2 if run.bf16 else 4
     est = _estimate(run, lay)
-    bubble = 1 + (lay.pp - 1) / m
+    attn = 3 * 4 * b * S * S * d * heads / (lay.tp * lay.ulysses * lay.cp) * 0.5 * L * m
+    mlp = 3 * 2 * tokens * h * ffn * (3 if c.get("swiglu") else 2) / lay.tp * L * m
+    other = 3 * 2 * tokens * (h * (heads + 2 * groups) * d + heads * d * h) / lay.tp * L * m
+    other += 3 * 2 * tokens * h * V / lay.tp * m  # the output layer (last stage)
     f = {
-        "attn_flops": 3 * 4 * b * S * S * d * heads / (lay.tp * lay.ulysses * lay.cp) * 0.5 * L * m * bubble,
-        "mlp_flops": 3 * 2 * tokens * h * ffn * (3 if c.get("swiglu") else 2) / lay.tp * L * m * bubble,
-        "other_flops": 3 * 2 * tokens * (h * (heads + 2 * groups) * d + heads * d * h) / lay.tp * L * m * bubble
-        + 3 * 2 * tokens * h * V / lay.tp * m,
+        "attn_flops": attn,  # busy time of each phase: what the timers measure
+        "mlp_flops": mlp,
+        "other_flops": other,
         "params": est["params_per_rank"],
+        "layer_calls": L * m,  # host work per layer and micro-batch (kernel launches, Python)
+        # idle time of a pipeline: (pp - 1) stage-slots of one micro-batch's work, not a phase's
+        "bubble_flops": (lay.pp - 1) / m * (attn + mlp + other),
+        "pp_bytes_intra": 2 * 2 * tokens * h * act * m if lay.pp > 1 else 0.0,  # activations and their grads
     }
     for kind, key, n in (("a2a", "a2a_bytes_per_layer", 4), ("ring", "ring_bytes_per_layer", 3 * lay.cp - 2)):
         link = "inter" if crosses_nodes(lay, "ulysses" if kind == "a2a" else "cp", gpus_per_node) else "intra"
@@ -276,7 +283,17 @@ PHASE_TERMS = {  # measured phase -> the features its time is a non-negative com
     "a2a": ["a2a_msgs", "a2a_bytes_intra", "a2a_bytes_inter"],
     "ring": ["ring_msgs", "ring_bytes_intra", "ring_bytes_inter"],
     "optimizer": ["params"],
-    "rest": ["const", "other_flops", "tp_bytes_intra", "tp_bytes_inter", "dp_bytes_intra", "dp_bytes_inter"],
+    "rest": [
+        "const",
+        "other_flops",
+        "layer_calls",
+        "bubble_flops",
+        "pp_bytes_intra",
+        "tp_bytes_intra",
+        "tp_bytes_inter",
+        "dp_bytes_intra",
+        "dp_bytes_inter",
+    ],
 }
 
 
@@ -352,6 +369,9 @@ def gpu_rates(preset: Dict[str, float]) -> Dict[str, Dict[str, float]]:
         "rest": {
             "const": preset["step_overhead_ms"] * 1e-3,
             "other_flops": flop / preset["gemm_eff"],
+            "layer_calls": preset["layer_us"] * 1e-6,
+            "bubble_flops": flop / preset["gemm_eff"],
+            "pp_bytes_intra": 1 / (preset["inter_gbps"] * 1e9),  # stages are placed across nodes
             "tp_bytes_intra": 1 / (preset["intra_gbps"] * 1e9),
             "tp_bytes_inter": 1 / (preset["inter_gbps"] * 1e9),
             "dp_bytes_intra": 1 / (preset["intra_gbps"] * 1e9),

@@ -54,6 +54,12 @@ def resolve_groups(config, pg_collection, ulysses_group=None, ring_group=None):
         return None, None
     if reg.ulysses_group is None and reg.ring_group is not None:  # registered as a ring only
         return None, cp
+    if (
+        reg.ulysses_group is not None
+        and reg.ring_group is not None
+        and (_size(cp) == _size(reg.ulysses_group) * _size(reg.ring_group))
+    ):  # a hybrid whose levels Megatron's collection does not carry: the registered Ulysses and ring groups
+        return reg.ulysses_group, reg.ring_group
     return cp, None
 
 

@@ -45,6 +45,7 @@ class StepTimer:
         self.bytes: Dict[str, int] = {"a2a": 0, "ring": 0}
         self._inside_attention = 0.0  # collective time spent inside an attention module, to subtract
         self._handles: List = []
+        self._kinds: Dict[int, object] = {}
         self._saved = None
 
     # ---------------------------------------------------------------- install / remove
@@ -92,9 +93,28 @@ class StepTimer:
         return out
 
     # ---------------------------------------------------------------- observers
+    def _kind(self, group):
+        """ "a2a", "ring" or None: the group by its ranks (Megatron's pg_collection may hand the module
+        other group objects over the same ranks than the registry's)."""
+        key = id(group)
+        if key not in self._kinds:
+            self._kinds[key] = None
+            for kind, g in self.groups.items():
+                try:
+                    same = g is group or (
+                        group is not None
+                        and g is not None
+                        and dist.get_process_group_ranks(group) == dist.get_process_group_ranks(g)
+                    )
+                except (ValueError, RuntimeError, KeyError):  # a group of another world (threaded tests)
+                    same = False
+                if same:
+                    self._kinds[key] = kind
+        return self._kinds[key]
+
     def _collective(self, output, input, *a, **kw):
         group = kw.get("group")
-        kind = next((k for k, g in self.groups.items() if g is not None and group is g), None)
+        kind = self._kind(group)
         if kind is None:
             return self._saved(output, input, *a, **kw)
         t = _now()
