@@ -35,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import List
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -277,7 +278,7 @@ def write_report(out: str, rec: dict) -> None:
         )
     with open(os.path.join(out, "sweep.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    _plot(out, rows, s)
+    _plot(out, rows, s)  # OUT/sweep.png
 
 
 def _plot(out: str, rows, s) -> None:
@@ -392,6 +393,85 @@ def cmd_predict(a) -> int:
     return 0
 
 
+# published settings, and how to read them as layouts of this model (assumptions in docs/scaling.md)
+PUBLISHED = [
+    # (what, preset, model, seq, gpus, {label: layout name}, the published tokens/s relative to the first)
+    (
+        "H200, Ulysses vs ring context parallelism at 64K (8 GPUs)",
+        "h200",
+        "llama8b",
+        65536,
+        8,
+        {
+            "cp 1": "tp1-u1-cp1-pp1-dp8",
+            "Ulysses cp 2": "tp1-u2-cp1-pp1-dp4",
+            "Ulysses cp 4": "tp1-u4-cp1-pp1-dp2",
+            "ring cp 2": "tp1-u1-cp2-pp1-dp4",
+            "ring cp 4": "tp1-u1-cp4-pp1-dp2",
+        },
+        {"cp 1": 1.0, "Ulysses cp 2": 0.92, "Ulysses cp 4": 1.01, "ring cp 2": 0.71, "ring cp 4": 0.68},
+    ),
+    (
+        "DeepSpeed-Ulysses vs Megatron-LM sequence parallelism (tp 8), 32 GPUs, 128K",
+        "h100",
+        "llama8b",
+        131072,
+        32,
+        {"Megatron SP (tp 8)": "tp8-u1-cp1-pp1-dp4", "Ulysses 8": "tp1-u8-cp1-pp1-dp4"},
+        {"Megatron SP (tp 8)": 1.0, "Ulysses 8": 2.5},
+    ),
+]
+
+
+def compare_published() -> List[str]:
+    lines = [
+        "| setting | layout | published (relative) | model (relative) | model tokens/s/GPU |",
+        "|---|---|---|---|---|",
+    ]
+    for what, preset, model, seq, gpus, layouts, published in PUBLISHED:
+        run = Run(model, seq, 1, gpus, bf16=True, recompute="full", distributed_optimizer=True)
+        rates = gpu_rates(PRESETS[preset])
+        tps = {
+            k: run.global_batch_size
+            * seq
+            / predict(rates, run, Layout.parse(v), PRESETS[preset]["gpus_per_node"])["step_s"]
+            / gpus
+            for k, v in layouts.items()
+        }
+        first = next(iter(layouts))
+        for k, v in layouts.items():
+            lines.append(f"| {what} | {k} ({v}) | {published[k]:.2f} | {tps[k] / tps[first]:.2f} | {tps[k]:.0f} |")
+    return lines
+
+
+def cmd_report(a) -> int:
+    """The best layouts for the 8B and 70B models at 128K / 512K / 1M on 8-1024 GPUs, and the published comparisons."""
+    lines = [
+        f"Preset {a.preset}: " + ", ".join(f"{k} {v}" for k, v in PRESETS[a.preset].items()),
+        "",
+        "| model | tokens | GPUs | best layout | tokens/s/GPU | step s | peak GB | runner-up | layouts that fit |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for model in ("llama8b", "llama70b"):
+        for seq in (131072, 524288, 1048576):
+            for gpus in (8, 16, 32, 64, 128, 256, 512, 1024):
+                top, n = best_layouts(a.preset, model, seq, gpus, gpus, 2)
+                if not top:
+                    lines.append(f"| {model} | {seq // 1024}K | {gpus} | -- (nothing fits) | | | | | 0 |")
+                    continue
+                (tps, lay, p, mem), second = top[0], (top[1][1].name if len(top) > 1 else "")
+                lines.append(
+                    f"| {model} | {seq // 1024}K | {gpus} | {lay.name} | {tps:.0f} | {p['step_s']:.1f} | "
+                    f"{mem:.0f} | {second} | {n} |"
+                )
+            print(f"report: {model} at {seq} tokens", flush=True)
+    lines += ["", *compare_published()]
+    with open(a.report, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"wrote {a.report}")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -418,8 +498,11 @@ def main(argv=None) -> int:
     r.add_argument("--gpus", default="8,16,32,64,128,256,512,1024")
     r.add_argument("--global-batch-size", type=int, default=None, help="default: one sequence per GPU")
     r.add_argument("--top", type=int, default=1)
+    t = sub.add_parser("report", help="best layouts for 8B / 70B at 128K-1M on 8-1024 GPUs; published comparisons")
+    t.add_argument("--preset", default="h200", choices=sorted(PRESETS))
+    t.add_argument("--report", default="docs/perf/scaling_predictions.md")
     a = p.parse_args(argv)
-    return {"sweep": cmd_sweep, "fit": cmd_fit, "predict": cmd_predict}[a.cmd](a)
+    return {"sweep": cmd_sweep, "fit": cmd_fit, "predict": cmd_predict, "report": cmd_report}[a.cmd](a)
 
 
 if __name__ == "__main__":

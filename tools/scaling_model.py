@@ -240,10 +240,11 @@ def features(run: Run, lay: Layout, gpus_per_node: Optional[int] = None) -> Dict
     tokens = S * b / (lay.ulysses * lay.cp)  # per rank per micro-batch
     act = 2 if run.bf16 else 4
     est = _estimate(run, lay)
-    attn = 3 * 4 * b * S * S * d * heads / (lay.tp * lay.ulysses * lay.cp) * 0.5 * L * m
-    mlp = 3 * 2 * tokens * h * ffn * (3 if c.get("swiglu") else 2) / lay.tp * L * m
-    other = 3 * 2 * tokens * (h * (heads + 2 * groups) * d + heads * d * h) / lay.tp * L * m
-    other += 3 * 2 * tokens * h * V / lay.tp * m  # the output layer (last stage)
+    passes = 4 if run.recompute == "full" else 3  # forward + backward (2x), + the forward again under recompute
+    attn = passes * 4 * b * S * S * d * heads / (lay.tp * lay.ulysses * lay.cp) * 0.5 * L * m
+    mlp = passes * 2 * tokens * h * ffn * (3 if c.get("swiglu") else 2) / lay.tp * L * m
+    other = passes * 2 * tokens * (h * (heads + 2 * groups) * d + heads * d * h) / lay.tp * L * m
+    other += 3 * 2 * tokens * h * V / lay.tp * m  # the output layer (last stage, not recomputed)
     f = {
         "attn_flops": attn,  # busy time of each phase: what the timers measure
         "mlp_flops": mlp,
@@ -391,6 +392,7 @@ PRESETS = {
         alpha_us=15,
         opt_ns_per_param=0.05,
         step_overhead_ms=30,
+        layer_us=300,
         memory_gb=80,
         gpus_per_node=8,
     ),
@@ -403,6 +405,7 @@ PRESETS = {
         alpha_us=15,
         opt_ns_per_param=0.05,
         step_overhead_ms=30,
+        layer_us=300,
         memory_gb=141,
         gpus_per_node=8,
     ),
