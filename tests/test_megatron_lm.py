@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from tests.helpers import free_port, run_in_session
+from ulysses_mcore.megatron.patches import CPU_FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MEGATRON_LM = os.environ.get("MEGATRON_LM", "")
@@ -70,18 +71,7 @@ TINY = [
     "NullTokenizer",
 ]
 MOCK = ["--mock-data", "--vocab-size", "255"]  # unless a case gives --data-path
-CPU = [
-    "--distributed-backend",
-    "gloo",
-    "--transformer-impl",
-    "local",
-    "--no-gradient-accumulation-fusion",
-    "--no-persist-layer-norm",
-    "--no-bias-gelu-fusion",
-    "--no-bias-dropout-fusion",
-    "--no-masked-softmax-fusion",
-    "--no-rope-fusion",
-]
+CPU = list(CPU_FLAGS)  # Megatron-LM's flags for a CPU run
 ROPE = ["--position-embedding-type", "rope"]
 
 _RUNS: dict = {}

@@ -39,6 +39,7 @@ from typing import List
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from ulysses_mcore.megatron.patches import CPU_FLAGS  # noqa: E402
 from tools.scaling_model import (  # noqa: E402
     MODELS,
     PRESETS,
@@ -117,16 +118,7 @@ def _command(a, run: Run, lay: Layout, log_dir: str):
             + lay.flags()
             + common
             + [
-                "--distributed-backend",
-                "gloo",
-                "--transformer-impl",
-                "local",
-                "--no-gradient-accumulation-fusion",
-                "--no-persist-layer-norm",
-                "--no-bias-gelu-fusion",
-                "--no-bias-dropout-fusion",
-                "--no-masked-softmax-fusion",
-                "--no-rope-fusion",
+                *CPU_FLAGS,
                 "--mock-data",
                 "--tokenizer-type",
                 "NullTokenizer",

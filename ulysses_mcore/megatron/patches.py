@@ -77,6 +77,13 @@ class PatchState:
 PATCHES = PatchState()
 _STATE = PATCHES.settings
 
+# Megatron-LM's flags for a CPU run (gloo, megatron-core's local layers, no fused CUDA kernels)
+CPU_FLAGS = (
+    "--distributed-backend", "gloo", "--transformer-impl", "local", "--no-gradient-accumulation-fusion",
+    "--no-persist-layer-norm", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-masked-softmax-fusion",
+    "--no-rope-fusion",
+)  # fmt: skip
+
 SPEC_FUNCTIONS = {
     "get_gpt_layer_local_spec": "sdpa",
     "get_gpt_layer_with_transformer_engine_spec": "te",
