@@ -331,7 +331,7 @@ def test_two_torchrun_agents_as_two_nodes_give_the_same_losses(tmp_path):
     """torchrun's own rendezvous across "nodes": two agents of 2 ranks each on this machine (c10d
     rendezvous at one endpoint) train exactly as one agent of 4 ranks -- tp 2 x ulysses 2 across
     the two agents' ranks, the same loss line."""
-    args = COMMON + ["--tensor-model-parallel-size", "2", "--ulysses-degree", "2"]
+    args = COMMON + ["--tensor-model-parallel-size", "2", "--ulysses-degree", "2", "--train-iters", "3"]
     one = tmp_path / "one_agent"
     one.mkdir()
     r = launch(4, args, one)
@@ -373,6 +373,6 @@ def test_two_torchrun_agents_as_two_nodes_give_the_same_losses(tmp_path):
     assert all(a.returncode == 0 for a in agents), "\n".join(o[-3000:] for o in outs)
     assert any("parallel axes in force: world 4 = tp 2 x ulysses 2" in o for o in outs), outs
     want, got = losses(one), losses(two)
-    assert sorted(got) == sorted(want) == list(range(1, 7))
+    assert sorted(got) == sorted(want) == [1, 2, 3]
     for it in want:
         assert close(got[it], want[it], rtol=1e-6), (it, got[it], want[it])

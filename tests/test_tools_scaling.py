@@ -85,7 +85,8 @@ def test_fit_recovers_known_rates():
 @pytest.mark.spawn
 def test_two_layout_sweep_measures_resumes_and_fits(tmp_path):
     out = str(tmp_path / "sweep")
-    argv = ["sweep", "--world", "2", "--out", out, "--iters", "4", "--layouts", "tp1-u2-cp1-pp1-dp1,tp2-u1-cp1-pp1-dp1"]
+    argv = ["sweep", "--world", "2", "--out", out, "--iters", "3", "--warmup", "1"]
+    argv += ["--layouts", "tp1-u2-cp1-pp1-dp1,tp2-u1-cp1-pp1-dp1"]
     assert scaling.main(argv) == 0
     with open(os.path.join(out, "sweep.json")) as f:
         rec = json.load(f)

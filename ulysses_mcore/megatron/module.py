@@ -46,20 +46,21 @@ def resolve_groups(config, pg_collection, ulysses_group=None, ring_group=None):
     if cp is None:
         return reg.ulysses_group, reg.ring_group
     hier = getattr(config, "hierarchical_context_parallel_sizes", None) or []
-    if len(hier) == 2 and min(hier) > 1:
-        hcp = getattr(pg_collection, "hcp", None)
-        if hcp:
-            return hcp[0], hcp[1]
+    hcp = getattr(pg_collection, "hcp", None) if len(hier) == 2 and min(hier) > 1 else None
+    if hcp:
+        return hcp[0], hcp[1]
+    return _split_context_parallel(cp, reg)
+
+
+def _split_context_parallel(cp, reg):
+    """Megatron's context-parallel group without its levels: Ulysses, a ring, or both as registered."""
     if _size(cp) == 1:
         return None, None
     if reg.ulysses_group is None and reg.ring_group is not None:  # registered as a ring only
         return None, cp
-    if (
-        reg.ulysses_group is not None
-        and reg.ring_group is not None
-        and (_size(cp) == _size(reg.ulysses_group) * _size(reg.ring_group))
-    ):  # a hybrid whose levels Megatron's collection does not carry: the registered Ulysses and ring groups
-        return reg.ulysses_group, reg.ring_group
+    hybrid = reg.ulysses_group is not None and reg.ring_group is not None
+    if hybrid and _size(cp) == _size(reg.ulysses_group) * _size(reg.ring_group):
+        return reg.ulysses_group, reg.ring_group  # the trainer's GPTModel: its collection carries no levels
     return cp, None
 
 
