@@ -102,7 +102,20 @@ def _free_port() -> int:
 
 
 def _command(a, run: Run, lay: Layout, log_dir: str):
-    common = ["--train-iters", str(a.iters), "--log-interval", "1", "--eval-iters", "0", "--lr-warmup-iters", "0"]
+    common = [
+        "--train-iters",
+        str(a.iters),
+        "--log-interval",
+        "1",
+        "--eval-iters",
+        "0",
+        "--lr-warmup-iters",
+        "0",
+        "--lr",
+        "1e-3",
+        "--min-lr",
+        "1e-5",
+    ]  # Megatron-LM has no default learning rate (and the trainer's --min-lr must stay below it)
     torchrun = [
         sys.executable,
         "-m",
@@ -171,7 +184,8 @@ def run_layout(a, run: Run, lay: Layout, index: int, count: int) -> dict:
         flush=True,
     )
     if rc != 0:
-        return {"layout": lay.name, "error": "".join(lines[-30:])}
+        errors = [ln for ln in lines if re.search(r"\w*Error\b|^error:", ln)][:5]  # the cause, then the tail
+        return {"layout": lay.name, "error": "".join(errors + ["...\n"] + lines[-20:])}
     return _row(a, run, lay, "".join(lines), log_dir)
 
 
@@ -262,15 +276,19 @@ def write_report(out: str, rec: dict) -> None:
         "|---" * 11 + "|",
     ]
     for r in rows:
-        ph = " | ".join(f"{r.get(p + '_s', 0) * 1e3:.1f}" for p in PHASES)
+        ph = " | ".join("-" if r.get(p + "_s") is None else f"{r[p + '_s'] * 1e3:.1f}" for p in PHASES)  # untimed: -
         lines.append(
             f"| {r['layout']} | {r['tokens_per_s']:.0f} | {r['step_s'] * 1e3:.0f} | {ph} | "
-            f"{r.get('a2a_bytes', 0) / 1e6:.1f} | {r.get('ring_bytes', 0) / 1e6:.1f} | "
-            f"{r['peak_gb'] or 0:.2f} ({r['plan_peak_gb']:.2f}) |"
+            f"{_mb(r.get('a2a_bytes'))} | {_mb(r.get('ring_bytes'))} | "
+            f"{'-' if r['peak_gb'] is None else format(r['peak_gb'], '.2f')} ({r['plan_peak_gb']:.2f}) |"
         )
     with open(os.path.join(out, "sweep.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     _plot(out, rows, s)  # OUT/sweep.png
+
+
+def _mb(nbytes) -> str:
+    return "-" if nbytes is None else f"{nbytes / 1e6:.1f}"
 
 
 def _plot(out: str, rows, s) -> None:
