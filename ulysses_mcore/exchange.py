@@ -25,7 +25,7 @@ part sits -- is worked out once into a :class:`QkvRoute` / :class:`OutRoute`, wh
 prepared call (:mod:`ulysses_mcore.attention`) keeps: a steady-state call does the copies and
 the collective, no bookkeeping.  The routes' ``start`` / ``finish`` steps are also what
 :mod:`ulysses_mcore.overlap` pipelines, per head chunk, asynchronously.  Layout logic lives in
-:func:`seq_dim` and the two ``_recv_as_layout`` / ``_chunks_of_full`` helpers only.  The
+:func:`seq_dim` and the two ``_recv_as_layout`` / ``_by_block`` helpers only.  The
 single-rank references the exchange is tested against live in ``tests/helpers.py``.
 """
 
@@ -217,11 +217,12 @@ def _recv_as_layout(recv: torch.Tensor, layout: str) -> torch.Tensor:
     return recv.transpose(0, 1).reshape(A, P * B, *rest)  # a copy unless b == 1
 
 
-def _chunks_of_full(g: torch.Tensor, layout: str, P: int) -> torch.Tensor:
-    """A (strided) ``[P, A, B, n, d]`` view of a full-sequence tensor by token block."""
-    sd = seq_dim(layout)
-    ch = g.unflatten(sd, (P, g.shape[sd] // P))
-    return ch if sd == 0 else ch.transpose(0, 1)
+def _by_block(t: torch.Tensor, sd: int, P: int, A: int, B: int) -> torch.Tensor:
+    """A full-sequence tensor (``[P*A, B, ...]`` for sbhd, ``[A, P*B, ...]`` for bshd: ``sd`` its
+    sequence dim) as ``[P, A, B, ...]`` by token block: a view, strided for bshd."""
+    if sd == 0:
+        return t.view(P, A, B, *t.shape[2:])
+    return t.view(A, P, B, *t.shape[2:]).transpose(0, 1)
 
 
 # A q/k/v block for one rank is, per (token, batch) row, its nq query heads (head dim dq), then its
@@ -343,12 +344,6 @@ class QkvRoute:
         return tuple(_part(full, *p) for p in self.mine)
 
     # -- backward: the three gradients back to the token shards
-    def _by_block(self, g: torch.Tensor) -> torch.Tensor:
-        """A full-sequence tensor ``[S, B, n, d]`` (sbhd) as ``[P, A, B, n, d]`` by token block (a view)."""
-        if self.sd == 0:
-            return g.view(self.P, self.A, self.B, *g.shape[2:])
-        return g.view(self.A, self.P, self.B, *g.shape[2:]).transpose(0, 1)
-
     def start_grad(self, gq, gk, gv, group, async_op=False):
         """Gradients of :meth:`received`'s parts -> their senders (one all-to-all)."""
         ref = gq if gq is not None else (gk if gk is not None else gv)
@@ -359,7 +354,7 @@ class QkvRoute:
             if g is None:
                 dst.zero_()
             else:
-                dst.copy_(g if self.sd == 0 else self._by_block(g))
+                dst.copy_(g if self.sd == 0 else _by_block(g, self.sd, self.P, self.A, self.B))
         recv = POOL.take(self.send_shape, ref.dtype, ref.device)
         return recv, all_to_all(recv, buf, group, self.send_splits, self.recv_splits, async_op), buf
 
@@ -419,14 +414,9 @@ class OutRoute:
         self.offsets = [sum(self.sizes[:j]) for j in range(P)]
         self.ranges = [plan.q_range(j) for j in range(P)]
 
-    def _by_block(self, out: torch.Tensor) -> torch.Tensor:
-        if self.sd == 0:
-            return out.view(self.buf_shape)
-        return out.view(self.A, self.P, self.B, self.n_me, self.d).transpose(0, 1)
-
     def start(self, out: torch.Tensor, group, async_op=False):
         """``out [S, B, n_me, d]`` in ``layout`` -> (receive buffer, work handle or None, send buffer)."""
-        send = self._by_block(out)
+        send = _by_block(out, self.sd, self.P, self.A, self.B)
         if not send.is_contiguous():
             send = POOL.take(self.buf_shape, out.dtype, out.device).copy_(send)
         recv = POOL.take(self.buf_shape if self.sizes is None else (sum(self.sizes),), out.dtype, out.device)
@@ -552,13 +542,6 @@ def kv_index(plan: HeadPlan, rank: int, device) -> Optional[torch.Tensor]:
     layout (made once per prepared call), else ``None``."""
     idx = plan.kv_index_for_q(rank)
     return None if idx is None else torch.tensor(idx, device=device)
-
-
-def expand_kv(t: torch.Tensor, plan: HeadPlan, rank: int, index: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """One kv head per local query head, when the local heads are not an ordinary GQA layout."""
-    if index is None:
-        index = kv_index(plan, rank, t.device)
-    return t if index is None else t.index_select(2, index)
 
 
 class _PackLse(torch.autograd.Function):
