@@ -30,11 +30,19 @@ def test_key_sees_shapes_dtypes_grads_options_groups():
     assert call_key("not a tensor", q, q, OPTS, None, None, NO_TENSORS, 0, None) is None
 
 
-def test_host_boundaries_are_part_of_the_key():
+def test_a_new_batchs_boundaries_are_not_a_new_signature():
+    """Every packed micro-batch has its own documents: neither their values nor their count is
+    part of the key (validated on the first batch, trusted later), nor the host max_seqlen; their
+    dtype and device are."""
     q = torch.randn(8, 2, 4)
-    a = call_key(q, q, q, OPTS, None, None, CallTensors(cu_seqlens=torch.tensor([0, 3, 8])), 0, None)
-    b = call_key(q, q, q, OPTS, None, None, CallTensors(cu_seqlens=torch.tensor([0, 5, 8])), 0, None)
-    assert a != b
+
+    def key(cu, **kw):
+        return call_key(q, q, q, OPTS, None, None, CallTensors(cu_seqlens=cu, **kw), 0, None)
+
+    a = key(torch.tensor([0, 3, 8]))
+    assert a == key(torch.tensor([0, 5, 8])) == key(torch.tensor([0, 1, 2, 8])) == key(torch.tensor([0, 8]), max_seqlen=8)
+    assert a != key(torch.tensor([0, 3, 8], dtype=torch.int32))
+    assert a != call_key(q, q, q, OPTS, None, None, NO_TENSORS, 0, None)
 
 
 def test_prepared_once_then_reused():

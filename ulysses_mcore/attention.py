@@ -44,6 +44,7 @@ def ulysses_attention(
     softmax_offset: Optional[torch.Tensor] = None,
     return_lse: bool = False,
     first_head: int = 0,
+    max_seqlen: Optional[int] = None,
 ):
     """Exact attention over a sequence whose tokens are sharded contiguously over ``group``.
 
@@ -78,7 +79,10 @@ def ulysses_attention(
     crosses a document.  ``seqlens`` (int ``[n]``): real document lengths when every document
     sits in a longer padded slot ``cu_seqlens[i] .. cu_seqlens[i+1]`` (Megatron/TE's
     ``cu_seqlens_q`` vs ``cu_seqlens_q_padded``); pad tokens are neither queries nor keys and
-    get zero output.
+    get zero output.  ``max_seqlen`` (a host int, Megatron's ``PackedSeqParams.max_seqlen_q``):
+    the longest document, or a bound on it, for the varlen kernels; without it they read it off
+    ``cu_seqlens`` (a device-to-host sync per call on a GPU).  A new batch's boundaries are not
+    a new signature: the first packed batch of a signature is validated, later ones are trusted.
 
     ``value`` may have another head dim than ``query``/``key`` (multi-latent attention, e.g. 192
     vs 128): the output has the value's.  ``attention_mask`` / ``attention_bias`` may broadcast
@@ -111,7 +115,7 @@ def ulysses_attention(
         or seqlens is not None
         or softmax_offset is not None
     ):
-        tensors = CallTensors(attention_mask, attention_bias, cu_seqlens, seqlens, softmax_offset)
+        tensors = CallTensors(attention_mask, attention_bias, cu_seqlens, seqlens, softmax_offset, max_seqlen)
     return CALLS.run(query, key, value, opts, group, ring_group, tensors, first_head, check)
 
 

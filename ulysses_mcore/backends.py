@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from .options import LSE_TILE, VARIANT_OPTIONS, AttentionOptions, has_window, options_set
+from .orders import host_bounds, host_lengths
 from .ring import ring_attention
 
 BUILTIN_BACKENDS = ("sdpa", "flash", "te")
@@ -81,6 +82,7 @@ def sdpa_attention(
     softmax_offset: Optional[torch.Tensor] = None,
     return_lse: bool = False,
     heads: Optional[Tuple[int, int]] = None,
+    max_seqlen: Optional[int] = None,
 ):
     """Scaled dot-product attention in ``layout``; zero-copy views in and out.
 
@@ -106,7 +108,15 @@ def sdpa_attention(
         )
     if cu_seqlens is not None:
         return _sdpa_varlen(
-            q, k, v, cu_seqlens, seqlens, causal=causal, softmax_scale=softmax_scale, dropout_p=dropout_p
+            q,
+            k,
+            v,
+            cu_seqlens,
+            seqlens,
+            causal=causal,
+            softmax_scale=softmax_scale,
+            dropout_p=dropout_p,
+            max_seqlen=max_seqlen,
         )
     if attention_mask is None and attention_bias is None:
         gqa = q.shape[2] != k.shape[2]
@@ -166,9 +176,14 @@ def plain_sdpa_kernel(opts: AttentionOptions, q, v, gqa: bool, layout: str):
     )
 
 
-def _sdpa_varlen(q, k, v, cu_seqlens, seqlens, *, causal, softmax_scale, dropout_p):
-    bounds = cu_seqlens.tolist()  # the kernel needs the boundaries on the host
-    real = seqlens.tolist() if seqlens is not None else [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])]
+def _sdpa_varlen(q, k, v, cu_seqlens, seqlens, *, causal, softmax_scale, dropout_p, max_seqlen=None):
+    """Packed documents through SDPA: on a GPU in half precision, torch's own varlen flash kernel
+    (device boundaries, ``max_seqlen`` from the host: no sync); else one SDPA call per document,
+    the boundaries read on the host once per micro-batch (:data:`ulysses_mcore.orders.host_bounds`)."""
+    if seqlens is None and not dropout_p and torch_varlen_applies(q, v):
+        return _torch_varlen(q, k, v, cu_seqlens, causal=causal, softmax_scale=softmax_scale, max_seqlen=max_seqlen)
+    bounds = host_bounds(cu_seqlens)
+    real = [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])] if seqlens is None else host_lengths(seqlens)
     outs = []
     for lo, hi, n in zip(bounds[:-1], bounds[1:], real):
         if n > 0:
@@ -187,80 +202,158 @@ def _sdpa_varlen(q, k, v, cu_seqlens, seqlens, *, causal, softmax_scale, dropout
     return torch.cat(outs, dim=0)
 
 
-def _real_rows(cu_seqlens, seqlens, device):
-    """(indices of the real tokens in the padded stream, cu_seqlens of the real tokens packed tight)."""
-    cu = cu_seqlens.to(device=device, dtype=torch.int64)
-    lens = seqlens.to(device=device, dtype=torch.int64)
-    tight = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
-    total = int(tight[-1])
-    doc = torch.bucketize(torch.arange(total, device=device), tight[1:], right=True)
-    rows = cu[:-1][doc] + torch.arange(total, device=device) - tight[:-1][doc]
-    return rows, tight
+_TORCH_VARLEN = importlib.util.find_spec("torch.nn.attention.varlen") is not None
 
 
-def _varlen_args(cu_seqlens, device):
-    """(int32 cu_seqlens on ``device``, longest document) for the varlen kernels."""
-    return cu_seqlens.to(device=device, dtype=torch.int32), int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+def torch_varlen_applies(q, v) -> bool:
+    """Whether torch's varlen flash kernel (``torch.nn.attention.varlen``) takes this call: CUDA,
+    fp16/bf16, one head dim of at most 256."""
+    return (
+        _TORCH_VARLEN
+        and q.device.type == "cuda"
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and q.shape[-1] == v.shape[-1] <= 256
+    )
+
+
+def _torch_varlen(q, k, v, cu_seqlens, *, causal, softmax_scale, max_seqlen):
+    from torch.nn.attention.varlen import varlen_attn
+
+    cu32, maxlen = _varlen_args(cu_seqlens, q.device, max_seqlen)
+    kw = dict(scale=softmax_scale)
+    params = inspect.signature(varlen_attn).parameters
+    if "is_causal" in params:  # torch 2.9-2.11 spell causality is_causal; later ones as a window
+        kw["is_causal"] = causal
+    else:
+        kw["window_size"] = (-1, 0) if causal else (-1, -1)
+    if q.shape[2] != k.shape[2]:
+        if "enable_gqa" not in params:
+            k, v = (t.repeat_interleave(q.shape[2] // k.shape[2], dim=2) for t in (k, v))
+        else:
+            kw["enable_gqa"] = True
+    out = varlen_attn(q[:, 0], k[:, 0], v[:, 0], cu32, cu32, maxlen, maxlen, **kw)
+    return out.unsqueeze(1)
+
+
+def interleaved_boundaries(cu_seqlens: torch.Tensor, seqlens: torch.Tensor) -> torch.Tensor:
+    """Padded documents as a varlen kernel can run them without reading anything on the host:
+    ``[c0, c0+l0, c1, c1+l1, ..., cn]`` -- each document's real tokens one sequence, its pad
+    another (attending only to itself; its rows are zeroed afterwards)."""
+    cu = cu_seqlens.to(torch.int64)
+    lens = seqlens.to(device=cu.device, dtype=torch.int64)
+    pairs = torch.stack([cu[:-1], cu[:-1] + lens], dim=1).reshape(-1)
+    return torch.cat([pairs, cu[-1:]])
+
+
+def real_token_rows(cu_seqlens: torch.Tensor, seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """``[total]`` bool: which positions of the padded stream are real tokens (device-side)."""
+    from .orders import document_ids
+
+    cu = cu_seqlens.to(torch.int64)
+    doc = document_ids(cu, total)
+    lens = seqlens.to(device=cu.device, dtype=torch.int64)
+    return torch.arange(total, device=cu.device) - cu[doc] < lens[doc]
+
+
+def _varlen_args(cu_seqlens, device, max_seqlen=None):
+    """(int32 cu_seqlens on ``device``, longest document) for the varlen kernels: ``max_seqlen``
+    from the caller (Megatron's ``PackedSeqParams.max_seqlen_q``, a bound is enough), else read
+    off the boundaries (a device-to-host sync on a GPU)."""
+    if max_seqlen is None:
+        max_seqlen = max(b - a for a, b in zip(host_bounds(cu_seqlens)[:-1], host_bounds(cu_seqlens)[1:]))
+    return cu_seqlens.to(device=device, dtype=torch.int32), int(max_seqlen)
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def flash_choice(fa2: bool, fa3: bool, *, dropout: bool, mla: bool) -> Tuple[Optional[str], str]:
+    """Which flash-attn runs a call: ``("fa3" | "fa2", "")``, or ``(None, why)``.  flash-attn 3
+    (``flash_attn_interface``, Hopper) is preferred; it has no dropout, so dropout needs flash-attn 2;
+    value heads of another size (MLA) need flash-attn 3 (flash-attn 2 takes one head dim)."""
+    if fa3 and not dropout:
+        return "fa3", ""
+    if fa2 and not mla:
+        return "fa2", ""
+    if dropout and mla:
+        return None, "attention dropout with value heads of another size (MLA): no flash-attn kernel has both"
+    if dropout:
+        return None, (
+            "attention dropout needs flash-attn 2 (flash-attn 3 has no dropout): pip install flash-attn, "
+            "set --attention-dropout 0, or use backend='sdpa' / 'te'"
+        )
+    return None, (
+        "value heads of another size than query/key heads (multi-latent attention) need flash-attn 3: "
+        "install it, or use backend='sdpa' / 'te'"
+    )
+
+
+def flash_installed() -> Tuple[bool, bool]:
+    """(flash-attn 2 importable, flash-attn 3 importable)."""
+    return _installed("flash_attn"), _installed("flash_attn_interface")
+
+
+def flash_problem(dropout: bool, mla: bool) -> str:
+    """Why backend='flash' cannot run a call with these options here ("" if it can)."""
+    return flash_choice(*flash_installed(), dropout=dropout, mla=mla)[1]
+
+
+def _flash_functions(which: str):
+    """(dense, varlen) functions of flash-attn 2 or 3."""
+    if which == "fa3":
+        import flash_attn_interface as fa
+    else:
+        import flash_attn as fa
+    return fa.flash_attn_func, fa.flash_attn_varlen_func
+
+
+def flash_call_args(which: str, dropout_p: float, softmax_scale, causal: bool, window) -> dict:
+    """The keywords of a flash-attn call: flash-attn 3 takes no ``dropout_p`` (never passed)."""
+    kw = dict(softmax_scale=softmax_scale, causal=causal, window_size=window)
+    if which == "fa2":
+        kw["dropout_p"] = dropout_p
+    return kw
+
+
+def _first(out):
+    return out[0] if isinstance(out, tuple) else out  # flash-attn 3 may return (out, lse)
 
 
 def flash_attention(q, k, v, *, causal, softmax_scale=None, layout="sbhd", dropout_p=0.0, **kw):
     """flash-attn's ``flash_attn_func`` (bshd, GQA native); ``flash_attn_varlen_func`` for
-    packed documents (``cu_seqlens``)."""
-    cu = kw.get("cu_seqlens")
-    if cu is not None:
-        from flash_attn import flash_attn_varlen_func
-
-        lens = kw.get("seqlens")
-        if lens is not None:  # padded documents: the real tokens packed tight, run, put back
-            rows, tight = _real_rows(cu, lens, q.device)
-            inner = flash_attention(
-                q.index_select(0, rows),
-                k.index_select(0, rows),
-                v.index_select(0, rows),
-                causal=causal,
-                softmax_scale=softmax_scale,
-                dropout_p=dropout_p,
-                cu_seqlens=tight,
-                window_size=kw.get("window_size"),
-            )
-            return q.new_zeros(q.shape[0], *inner.shape[1:]).index_copy(0, rows, inner)
-        cu32, maxlen = _varlen_args(cu, q.device)
-        out = flash_attn_varlen_func(
-            q[:, 0],
-            k[:, 0],
-            v[:, 0],
-            cu32,
-            cu32,
-            maxlen,
-            maxlen,
-            dropout_p,
-            softmax_scale=softmax_scale,
-            causal=causal,
-            window_size=_kernel_window(kw),
-        )
-        return out.unsqueeze(1)
+    packed documents (``cu_seqlens``).  flash-attn 3 where installed, 2 for dropout
+    (:func:`flash_choice`)."""
     if kw.get("attention_mask") is not None or kw.get("attention_bias") is not None:
         raise ValueError(
             "backend='flash' supports causal or no mask only; got an attention_mask or "
             "attention_bias: use backend='sdpa' (or 'te') for masks and bias"
         )
-    window = _kernel_window(kw)
-    try:
-        from flash_attn_interface import flash_attn_func  # flash-attn 3 (Hopper)
-
-        fa3 = True
-    except ImportError:
-        from flash_attn import flash_attn_func
-
-        fa3 = False
+    which, why = flash_choice(*flash_installed(), dropout=bool(dropout_p), mla=q.shape[-1] != v.shape[-1])
+    if which is None:
+        raise ValueError(f"backend='flash': {why}")
+    dense, varlen = _flash_functions(which)
+    args = flash_call_args(which, dropout_p, softmax_scale, causal, _kernel_window(kw))
+    cu = kw.get("cu_seqlens")
+    if cu is not None:
+        return _flash_varlen(varlen, args, q, k, v, cu, kw.get("seqlens"), kw.get("max_seqlen"))
     to_bshd = (lambda t: t.transpose(0, 1)) if layout == "sbhd" else (lambda t: t)
-    qb, kb, vb = (to_bshd(t) for t in (q, k, v))
-    if fa3:
-        out = flash_attn_func(qb, kb, vb, softmax_scale=softmax_scale, causal=causal, window_size=window)
-        out = out[0] if isinstance(out, tuple) else out
-    else:
-        out = flash_attn_func(qb, kb, vb, dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window)
-    return to_bshd(out)
+    return to_bshd(_first(dense(to_bshd(q), to_bshd(k), to_bshd(v), **args)))
+
+
+def _flash_varlen(varlen, args, q, k, v, cu, seqlens, max_seqlen):
+    """Packed documents (``[t, 1, h, d]``); with ``seqlens`` (documents padded in their slots) each
+    pad runs as a sequence of its own and its rows are zeroed: nothing is read on the host."""
+    bounds = cu if seqlens is None else interleaved_boundaries(cu, seqlens)
+    cu32, maxlen = _varlen_args(bounds, q.device, max_seqlen)
+    out = _first(varlen(q[:, 0], k[:, 0], v[:, 0], cu32, cu32, maxlen, maxlen, **args)).unsqueeze(1)
+    if seqlens is None:
+        return out
+    real = real_token_rows(cu, seqlens, q.shape[0])[:, None, None, None]
+    return torch.where(real, out, torch.zeros((), dtype=out.dtype, device=out.device))
 
 
 _TE_CACHE: dict = {}  # TE modules by (heads, dims, scale, format, mask type, dropout, device, ring, window)

@@ -37,21 +37,25 @@ class CallTensors(NamedTuple):
     cu_seqlens: Optional[torch.Tensor] = None
     seqlens: Optional[torch.Tensor] = None
     softmax_offset: Optional[torch.Tensor] = None
+    max_seqlen: Optional[int] = None  # the longest packed document (or a bound), a host int: not in the key
 
 
 NO_TENSORS = CallTensors()
-_HOST_VALUES = (2, 3)  # cu_seqlens, seqlens: their host values are part of the signature
+_BOUNDARIES = (2, 3)  # cu_seqlens, seqlens: a new batch's boundaries are not a new signature
+_KEYED = 5  # the tensors that are part of a call's signature (max_seqlen is not)
 
 
 def _tensor_key(i: int, t):
+    """A tensor's part of the signature: shape, dtype, device, requires_grad -- and for document
+    boundaries no shape and no values (every packed micro-batch has its own documents: the first
+    batch of a signature is validated, later ones are trusted, and nothing is read on the host)."""
     if t is None:
         return None
     if not isinstance(t, torch.Tensor):
         return ("not a tensor", type(t).__name__)
-    key = (t.shape, t.dtype, t.device, t.requires_grad)
-    if i in _HOST_VALUES and t.device.type == "cpu" and t.dim() == 1 and not t.is_floating_point():
-        key += (tuple(t.tolist()),)  # host values: reading them costs no device sync
-    return key
+    if i in _BOUNDARIES and t.dim() == 1 and not t.is_floating_point():
+        return ("boundaries", t.dtype, t.device)
+    return (t.shape, t.dtype, t.device, t.requires_grad)
 
 
 def call_key(q, k, v, opts: AttentionOptions, group, ring_group, tensors: CallTensors, head0: int, extra):
@@ -82,7 +86,7 @@ def call_key(q, k, v, opts: AttentionOptions, group, ring_group, tensors: CallTe
     except AttributeError:
         return None
     if tensors is not NO_TENSORS:
-        key += tuple(_tensor_key(i, t) for i, t in enumerate(tensors))
+        key += tuple(_tensor_key(i, t) for i, t in enumerate(tensors[:_KEYED]))
     return key
 
 
@@ -124,7 +128,8 @@ class CallCache:
                 f"{'group' if degree < 1 else 'ring_group'} it was given; pass this rank's own group"
             )
         if check:
-            check_call(q, k, v, opts, tensors._asdict(), dict(extra or ()), group, ring_group, degree, ring)
+            checked = {name: t for name, t in tensors._asdict().items() if name != "max_seqlen"}
+            check_call(q, k, v, opts, checked, dict(extra or ()), group, ring_group, degree, ring)
         call = PreparedCall(q, k, v, opts, group, ring_group, degree, ring, tensors, head0)
         if key is not None:
             if len(self.entries) >= self.max_entries:
@@ -210,7 +215,7 @@ class PreparedCall:
         if tensors is NO_TENSORS:
             return self.kw
         kw = dict(self.kw)
-        mask, bias, cu, lens, offset = tensors
+        mask, bias, cu, lens, offset, max_seqlen = tensors
         for name, t in (("attention_mask", mask), ("attention_bias", bias)):
             if t is not None:
                 kw[name] = t if t.shape[1] == 1 or not self.exchange else t[:, lo:hi]
@@ -218,6 +223,8 @@ class PreparedCall:
             kw["cu_seqlens"] = cu
         if lens is not None:
             kw["seqlens"] = lens
+        if max_seqlen is not None:
+            kw["max_seqlen"] = max_seqlen
         if offset is not None:  # this rank's heads' sinks: autograd routes their gradient back
             kw["softmax_offset"] = offset[lo:hi] if self.exchange else offset
         return kw

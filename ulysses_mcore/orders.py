@@ -33,20 +33,46 @@ def load_balanced_permutation(degree: int) -> List[int]:
 
 
 def document_ids(cu_seqlens: torch.Tensor, total: int, device=None) -> torch.Tensor:
-    """Document index of each position of a packed stream of ``total`` tokens."""
+    """Document index of each position of a packed stream of ``total`` tokens, on ``device``
+    (default: ``cu_seqlens``' own device; nothing is read on the host)."""
+    device = cu_seqlens.device if device is None else device
     cu = cu_seqlens.to(device=device, dtype=torch.int64)
     return torch.bucketize(torch.arange(total, device=device), cu[1:], right=True)
 
 
-def per_document_order(cu_seqlens: torch.Tensor, degree: int) -> torch.Tensor:
+class HostValues:
+    """The last integer tensor read on the host, kept with the tensor (and its version) it was read
+    from: every layer of a micro-batch passes the same ``cu_seqlens`` tensor, so the kernels that
+    need document boundaries on the host (the ``sdpa`` per-document loop on the CPU, the ring's
+    block skipping) read them once per micro-batch, not once per layer."""
+
+    def __init__(self):
+        self.tensor: Optional[torch.Tensor] = None
+        self.version = -1
+        self.values: Tuple[int, ...] = ()
+
+    def __call__(self, t: torch.Tensor) -> Tuple[int, ...]:
+        if t is not self.tensor or t._version != self.version:
+            self.values = tuple(t.tolist())  # one read per micro-batch (a sync for a GPU tensor)
+            self.tensor, self.version = t, t._version
+        return self.values
+
+
+host_bounds = HostValues()  # cu_seqlens
+host_lengths = HostValues()  # real document lengths inside padded slots
+
+
+def per_document_order(cu_seqlens: torch.Tensor, degree: int, total: Optional[int] = None) -> torch.Tensor:
     """Transformer Engine's / Megatron's THD context-parallel layout: every document (length a
     multiple of ``2P``) is cut into ``2P`` chunks and rank ``r`` holds chunks ``r`` and
     ``2P-1-r`` of each, documents in order.  Returns the natural position of each token of
-    the concatenation of ranks ``0 .. P-1`` (what the all-to-all delivers).  Vectorised:
-    it runs in every layer's forward, on streams of up to millions of tokens."""
+    the concatenation of ranks ``0 .. P-1`` (what the all-to-all delivers), on ``cu_seqlens``'
+    device.  Vectorised and sync-free when ``total`` (the stream's length, ``cu_seqlens[-1]``:
+    the gathered tensor's sequence length) is given: it runs in every layer's forward."""
     cu = cu_seqlens.to(torch.long)
-    total = int(cu[-1])
-    pos = torch.arange(total)
+    if total is None:
+        total = int(cu[-1])  # a host read: callers on the hot path pass the total they know
+    pos = torch.arange(total, device=cu.device)
     doc = document_ids(cu, total)
     start = cu[doc]
     chunk = (cu[1:] - cu[:-1])[doc] // (2 * degree)  # > 0: a token's document is not empty
@@ -79,10 +105,10 @@ def token_orders(
     ``(to_natural, to_received)`` reorderings of the sequence dim ``sd`` of the gathered tensors."""
     if token_order == "load_balanced":
         n = seq_len // (2 * degree)
-        chunk_of = torch.tensor(load_balanced_permutation(degree), dtype=torch.long)
-        order = (chunk_of[:, None] * n + torch.arange(n)).reshape(-1).to(device)
+        chunk_of = torch.tensor(load_balanced_permutation(degree), dtype=torch.long, device=device)
+        order = (chunk_of[:, None] * n + torch.arange(n, device=device)).reshape(-1)
         fixed = _reorders(order, sd)
         return lambda cu: fixed
     if token_order == "per_document":
-        return lambda cu: _reorders(per_document_order(cu, degree).to(device), sd)
+        return lambda cu: _reorders(per_document_order(cu.to(device), degree, seq_len), sd)
     return None

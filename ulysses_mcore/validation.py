@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .backends import BUILTIN_BACKENDS, backend_error, callable_accepts, callable_option_error
+from .backends import BUILTIN_BACKENDS, backend_error, callable_accepts, callable_option_error, flash_problem
 from .exchange import LAYOUTS, head_layout_error, is_even, overlap_error, seq_dim
 from .options import AttentionOptions, has_window, options_set
 from .orders import TOKEN_ORDERS
@@ -159,11 +159,10 @@ def _shape_problem(c: _Call) -> str:
             f"query and key disagree in head dim (dim {hdim + 1} of {c.names}): {q.shape[-1]}, {k.shape[-1]} "
             f"(value's may differ, as in multi-latent attention; query's and key's must match)"
         )
-    if c.mla and c.backend == "flash" and importlib.util.find_spec("flash_attn_interface") is None:
-        return (
-            f"value head dim {v.shape[-1]} differs from the query/key head dim {q.shape[-1]} (multi-latent "
-            "attention), which flash-attn 2 cannot run: use backend='sdpa' or 'te', or install flash-attn 3"
-        )
+    if c.backend == "flash" and backend_error("flash") is None:
+        why = flash_problem(bool(c.o.get("dropout_p")), c.mla)
+        if why:
+            return f"backend='flash' (value head dim {v.shape[-1]}, query/key {q.shape[-1]}): {why}"
     if k.shape[hdim] != v.shape[hdim]:
         return f"key and value must have the same number of heads: {k.shape[hdim]} and {v.shape[hdim]}"
     if q.shape[sdim] < 1:

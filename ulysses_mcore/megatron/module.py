@@ -64,6 +64,26 @@ def _split_context_parallel(cp, reg):
     return cp, None
 
 
+def _host_int(value) -> Optional[int]:
+    """Megatron's ``max_seqlen_q``: an int on the host, or ``None`` (never read off a device tensor)."""
+    if isinstance(value, int):
+        return value
+    if isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.numel() == 1:
+        return int(value)
+    return None
+
+
+_LAST_LENGTHS: list = [None, -1, None]  # (cu_seqlens_q, its version, its lengths): one micro-batch's
+
+
+def _lengths(cu: torch.Tensor) -> torch.Tensor:
+    """Document lengths of ``cu_seqlens_q``, one tensor per micro-batch shared by every layer (so a
+    kernel that reads them on the host reads them once per micro-batch)."""
+    if _LAST_LENGTHS[0] is not cu or _LAST_LENGTHS[1] != cu._version:
+        _LAST_LENGTHS[:] = [cu, cu._version, cu[1:] - cu[:-1]]
+    return _LAST_LENGTHS[2]
+
+
 def _tp_size_and_rank(tp_group):
     """Tensor-parallel (size, rank): of Megatron's ``pg_collection.tp`` when given, else of parallel_state."""
     if tp_group is not None:
@@ -207,9 +227,10 @@ class UlyssesAttention(MegatronModule):
         attention_bias: Optional[torch.Tensor] = None,
         packed_seq_params=None,
     ) -> torch.Tensor:
-        cu, lens, cu_kv, order = None, None, None, self.token_order
+        cu, lens, cu_kv, order, max_len = None, None, None, self.token_order, None
         if packed_seq_params is not None:
             cu, lens, cu_kv, order = self._packed(packed_seq_params)
+            max_len = _host_int(getattr(packed_seq_params, "max_seqlen_q", None))
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
         mask = None if mask_type in (AttnMaskType.causal, AttnMaskType.no_mask) or cu is not None else attention_mask
@@ -225,7 +246,7 @@ class UlyssesAttention(MegatronModule):
         )
         tensors = NO_TENSORS
         if mask is not None or attention_bias is not None or cu is not None or self.softmax_offset is not None:
-            tensors = CallTensors(mask, attention_bias, cu, lens, self.softmax_offset)
+            tensors = CallTensors(mask, attention_bias, cu, lens, self.softmax_offset, max_len)
         extra = self.extra_checks
         if packed_seq_params is not None:  # the module's own checks of Megatron's packed-sequence record
             extra += (("cu_seqlens_kv", cu_kv), ("qkv_format", getattr(packed_seq_params, "qkv_format", None)))
@@ -288,4 +309,4 @@ class UlyssesAttention(MegatronModule):
         if not per_document:
             return real, None, getattr(psp, "cu_seqlens_kv", None), order
         # tokens sit at their padded offsets; real lengths say where each document's pad starts
-        return padded, None if real is None else real[1:] - real[:-1], None, order
+        return padded, None if real is None else _lengths(real), None, order
