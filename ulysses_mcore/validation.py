@@ -17,7 +17,6 @@ signature together (they run the same model on the same kind of batch).
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
