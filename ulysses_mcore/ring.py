@@ -6,10 +6,12 @@ the ``cp`` group so every query meets every key.  On GPU the same job is Transfo
 Engine's p2p context parallelism (``backend="te"``); this module is the portable version
 (CPU/gloo, or any backend), written with plain matmuls so it is exact and testable here.
 
-Blocks without a mask, bias or document boundary run through torch's fused CPU flash kernel
-(``_scaled_dot_product_flash_attention_for_cpu``, which returns the log-sum-exp the merge
-needs, and its backward fed the final output and log-sum-exp); the rest, and other devices
-and dtypes, through the matmul form below.
+Blocks without a mask, bias or document boundary run through torch's fused flash kernel of
+their device, in the input dtype (:func:`fused_kernel`: the CPU one in fp32 / bf16, the CUDA one
+in fp16 / bf16), which returns the log-sum-exp the merge needs; its backward is fed the final
+output and log-sum-exp.  Only the merge accumulates in fp32.  The rest (masks, bias, documents,
+windows, fp64, value heads of another size) runs the matmul form below in fp32, one tile of at
+most ``LSE_TILE`` x ``LSE_TILE`` tokens at a time.
 
 Token order: ring rank ``j`` of ``C`` holds chunks ``j`` and ``2C-1-j`` of ``2C`` equal
 chunks (``"load_balanced"``, Megatron's dual-chunk order: every rank gets the same causal
@@ -44,6 +46,7 @@ another size than query/key heads (MLA), and the log-sum-exp as a differentiable
 
 from __future__ import annotations
 
+import bisect
 from typing import List, Optional, Tuple
 
 import torch
@@ -51,7 +54,7 @@ import torch.distributed as dist
 
 from .exchange import all_to_all, seq_dim
 from .options import LSE_TILE, has_window
-from .orders import document_ids
+from .orders import document_ids, host_bounds
 
 Segments = List[Tuple[int, int]]  # (first global position, length)
 
@@ -108,6 +111,11 @@ def _rows(t: torch.Tensor, r: slice) -> torch.Tensor:
     return t if t.shape[-2] == 1 else t[..., r, :]  # a mask/bias broadcast over query rows
 
 
+def _doc_of(bounds, pos: int) -> int:
+    """Document of position ``pos`` given the host boundaries ``[0, ..., total]``."""
+    return bisect.bisect_right(bounds, pos) - 1
+
+
 class _Block:
     """Scores of one (query segment, key segment) pair, masked, in the accumulation dtype."""
 
@@ -118,10 +126,11 @@ class _Block:
         self.skip = (right is not None and ks > qs + qn - 1 + right) or (left is not None and ks + kn - 1 < qs - left)
         self.docs = None
         if docs is not None:  # packed documents: positions of different documents never meet
-            qd, kd = docs[qs : qs + qn], docs[ks : ks + kn]
-            self.skip = self.skip or bool(kd[-1] < qd[0]) or bool(kd[0] > qd[-1])
-            if not (qd[0] == qd[-1] == kd[0] == kd[-1]):
-                self.docs = (qd, kd)
+            bounds, ids = docs  # the boundaries on the host (decisions), document ids on the device (masks)
+            q0, q1, k0, k1 = (_doc_of(bounds, p) for p in (qs, qs + qn - 1, ks, ks + kn - 1))
+            self.skip = self.skip or k1 < q0 or k0 > q1
+            if not (q0 == q1 == k0 == k1):
+                self.docs = (ids[qs : qs + qn], ids[ks : ks + kn])
         self.qs, self.qn, self.ks, self.kn = qs, qn, ks, kn
         self.cut_right = not self.skip and right is not None and ks + kn - 1 > qs + right
         self.cut_left = not self.skip and left is not None and ks < qs + qn - 1 - left
@@ -134,10 +143,10 @@ class _Block:
         return self.cut_right or self.cut_left
 
     def fused(self, q, same_dims: bool = True) -> bool:
-        """Whether torch's fused CPU flash kernel can take this block: fp32 on the CPU, one head
-        dim, no mask, bias or document boundary inside it, and of the window only the causal
-        triangle of an aligned diagonal block."""
-        if _CPU_FLASH is None or q.device.type != "cpu" or q.dtype != torch.float32 or not same_dims:
+        """Whether a fused flash kernel (:func:`fused_kernel`) can take this block: one head dim, no
+        mask, bias or document boundary inside it, and of the window only the causal triangle of an
+        aligned diagonal block."""
+        if fused_kernel(q, same_dims) is None:
             return False
         if self.mask is not None or self.bias is not None or self.docs is not None:
             return False
@@ -175,6 +184,31 @@ class _Block:
 
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _CPU_FLASH_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+_CUDA_FLASH = getattr(torch.ops.aten, "_flash_attention_forward", None)
+_CUDA_FLASH_BWD = getattr(torch.ops.aten, "_flash_attention_backward", None)
+FUSED_DTYPES = {  # device type -> dtypes torch's fused flash kernel (with its log-sum-exp) takes
+    "cpu": (torch.float32, torch.bfloat16),
+    "cuda": (torch.float16, torch.bfloat16),
+}
+
+
+def fused_kernel(q, same_dims: bool = True) -> Optional[str]:
+    """The fused flash kernel for blocks of ``q``'s device and dtype (``"cpu"`` / ``"cuda"``), or
+    ``None``: torch's CPU flash kernel (fp32, bf16), torch's CUDA flash kernel (fp16, bf16, head
+    dim <= 256).  Blocks run in the input dtype; only the merge accumulates in fp32."""
+    dev = q.device.type
+    if not same_dims or q.dtype not in FUSED_DTYPES.get(dev, ()):
+        return None
+    if dev == "cpu":
+        return "cpu" if _CPU_FLASH is not None else None
+    return "cuda" if _CUDA_FLASH is not None and q.shape[-1] <= 256 else None
+
+
+def call_is_fused(q, same_dims: bool, mask, bias, docs, window_size) -> bool:
+    """Whether every block of a call can take the fused kernel (then segments run whole, else the
+    matmul engine's blocks are tiled to ``LSE_TILE`` tokens)."""
+    plain = mask is None and bias is None and docs is None and not has_window(window_size)
+    return plain and fused_kernel(q, same_dims) is not None
 
 
 def _expand4(t, g):
@@ -184,7 +218,9 @@ def _expand4(t, g):
 
 
 def _fused_forward(q, k, v, blk):
-    """One block through torch's fused CPU flash kernel: (out, lse) like the matmul path."""
+    """One block through the fused flash kernel of its device: (out in q's dtype, lse in fp32)."""
+    if q.device.type == "cuda":
+        return _cuda_forward(q, k, v, blk)
     b, hk, g, n, d = q.shape
     out, lse = _CPU_FLASH(
         q.reshape(b, hk * g, n, d), _expand4(k, g), _expand4(v, g), 0.0, blk.windowed, scale=blk.scale
@@ -192,8 +228,70 @@ def _fused_forward(q, k, v, blk):
     return out.view(b, hk, g, n, d), lse.view(b, hk, g, n)
 
 
+def _seq_starts(b: int, n: int, device) -> torch.Tensor:
+    """``[0, n, 2n, ..., b*n]`` (int32): ``b`` sequences of ``n`` tokens for the varlen kernel."""
+    return torch.arange(0, (b + 1) * n, n, dtype=torch.int32, device=device)
+
+
+def _varlen_rows(t):
+    """``[b, h, g, n, d]`` -> ``[b*n, h*g, d]`` (the CUDA flash kernel's packed layout; GQA native)."""
+    b, h, g, n, d = t.shape
+    return t.permute(0, 3, 1, 2, 4).reshape(b * n, h * g, d)
+
+
+def _cuda_forward(q, k, v, blk):
+    """One block through torch's CUDA flash kernel (the varlen form, whose backward takes the final
+    out and lse): ``(out [b, hk, g, n, dv]`` in q's dtype, ``lse [b, hk, g, n]`` fp32)."""
+    b, hk, g, n, d = q.shape
+    kn = k.shape[3]
+    out, lse = _CUDA_FLASH(
+        _varlen_rows(q),
+        _varlen_rows(k),
+        _varlen_rows(v),
+        _seq_starts(b, n, q.device),
+        _seq_starts(b, kn, q.device),
+        n,
+        kn,
+        0.0,
+        blk.windowed,
+        False,
+        scale=blk.scale,
+    )[:2]
+    return out.view(b, n, hk, g, -1).permute(0, 2, 3, 1, 4), lse.view(hk, g, b, n).permute(2, 0, 1, 3)
+
+
+def _cuda_backward(do, q, k, v, out, lse, blk):
+    b, hk, g, n, d = q.shape
+    kn = k.shape[3]
+    gq, gk, gv = _CUDA_FLASH_BWD(
+        _varlen_rows(do),
+        _varlen_rows(q),
+        _varlen_rows(k),
+        _varlen_rows(v),
+        _varlen_rows(out),
+        lse.permute(1, 2, 0, 3).reshape(hk * g, b * n).contiguous(),
+        _seq_starts(b, n, q.device),
+        _seq_starts(b, kn, q.device),
+        n,
+        kn,
+        0.0,
+        blk.windowed,
+        torch.zeros(2, dtype=torch.uint64, device=q.device),  # rng state: no dropout
+        torch.empty(0, device=q.device),
+        scale=blk.scale,
+    )
+    return (
+        gq.view(b, n, hk, g, d).permute(0, 2, 3, 1, 4),
+        gk.view(b, kn, hk, 1, d).permute(0, 2, 3, 1, 4),
+        gv.view(b, kn, hk, 1, -1).permute(0, 2, 3, 1, 4),
+    )
+
+
 def _fused_backward(do, q, k, v, out, lse, blk):
-    """Gradients of one block given the *final* out and lse (exact for a block of a ring)."""
+    """Gradients of one block given the *final* out and lse (exact for a block of a ring), all in
+    q's dtype but the lse."""
+    if q.device.type == "cuda":
+        return _cuda_backward(do, q, k, v, out, lse, blk)
     b, hk, g, n, d = q.shape
     flat = lambda t: t.reshape(b, hk * g, *t.shape[3:])  # noqa: E731
     gq, gk, gv = _CPU_FLASH_BWD(
@@ -247,25 +345,28 @@ def _ring_size(group) -> Tuple[int, int]:
 
 def _block_grads(blk, rq, rk, tensors, scale, fused_ok: bool):
     """(dq, dk, dv) of one (query segment, key segment) block, given the final out and lse."""
-    qa, ka, va, do, out, lse, D = tensors
-    if fused_ok and blk.fused(qa, True):  # the fused kernel's backward, fed the final out and lse
+    q, k, v, do, out, lse, D, low = tensors
+    if fused_ok and blk.fused(q, True):  # the fused kernel's backward (input dtype), fed the final out and lse
+        do_in, out_in = low
         return _fused_backward(
-            do[..., rq, :], qa[..., rq, :], ka[..., rk, :], va[..., rk, :], out[..., rq, :], lse[..., rq], blk
+            do_in[..., rq, :], q[..., rq, :], k[..., rk, :], v[..., rk, :], out_in[..., rq, :], lse[..., rq], blk
         )
+    acc = out.dtype  # the matmul engine: one tile at a time in the accumulation dtype
+    qa, ka, va = q[..., rq, :].to(acc), k[..., rk, :].to(acc), v[..., rk, :].to(acc)
     # 2. recompute probabilities with the final lse
-    p = _safe_exp_diff(blk.scores(qa[..., rq, :], ka[..., rk, :]), lse[..., rq, None])
+    p = _safe_exp_diff(blk.scores(qa, ka), lse[..., rq, None])
     # 3. dV = P^T dO ; dP = dO V^T ; dS = P (dP - D)
     gv = torch.matmul(p.transpose(-1, -2), do[..., rq, :]).sum(2, keepdim=True)
-    ds = p * (torch.matmul(do[..., rq, :], va[..., rk, :].transpose(-1, -2)) - D[..., rq, None])
+    ds = p * (torch.matmul(do[..., rq, :], va.transpose(-1, -2)) - D[..., rq, None])
     # 4. dQ = dS K * scale ; dK = dS^T Q * scale (summed over the query group)
-    gq = torch.matmul(ds, ka[..., rk, :]) * scale
-    gk = (torch.matmul(ds.transpose(-1, -2), qa[..., rq, :]) * scale).sum(2, keepdim=True)
+    gq = torch.matmul(ds, ka) * scale
+    gk = (torch.matmul(ds.transpose(-1, -2), qa) * scale).sum(2, keepdim=True)
     return gq, gk, gv
 
 
-def _sink_grad(sink, qa, lse, D):
+def _sink_grad(sink, q, lse, D):
     """The sink column: p = exp(sink - lse), dP = dO . 0 = 0, so dS = -p D (this rank's rows)."""
-    s5 = sink.detach().to(qa.dtype).view(1, *qa.shape[1:3], 1)
+    s5 = sink.detach().to(lse.dtype).view(1, *q.shape[1:3], 1)
     return -(_safe_exp_diff(s5.expand_as(lse), lse) * D).sum((0, 3)).reshape(-1).to(sink.dtype)
 
 
@@ -282,26 +383,26 @@ class LseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sink, group, window, scale, seq_len, token_order, mask, bias, docs, tile):
         C, me = _ring_size(group)
-        acc = torch.promote_types(q.dtype, torch.float32)
-        qa = q.to(acc)
+        acc = torch.promote_types(q.dtype, torch.float32)  # the merge's dtype (and the matmul engine's)
         d, same = k.shape[-1], k.shape[-1] == v.shape[-1]
         my_segs = tile_segments(ring_segments(me, C, seq_len, token_order), tile)
-        out = torch.zeros((*qa.shape[:-1], v.shape[-1]), dtype=acc, device=q.device)
-        lse = torch.full(qa.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+        out = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=acc, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
         kv = torch.cat([k, v], dim=-1) if C > 1 else None
         for step in range(C):
             src = (me - step) % C
             recv, work = _shift(kv, group) if step < C - 1 else (None, None)
-            ka, va = (k.to(acc), v.to(acc)) if kv is None else (kv[..., :d].to(acc), kv[..., d:].to(acc))
+            ka, va = (k, v) if kv is None else (kv[..., :d], kv[..., d:])
             k_segs = tile_segments(ring_segments(src, C, seq_len, token_order), tile)
             for blk, rq, rk in _blocks(my_segs, k_segs, window, scale, mask, bias, docs):
-                if blk.fused(qa, same):
-                    b_out, b_lse = _fused_forward(qa[..., rq, :], ka[..., rk, :], va[..., rk, :], blk)
-                else:
-                    s = blk.scores(qa[..., rq, :], ka[..., rk, :])
+                if blk.fused(q, same):  # the input dtype through the fused kernel; its lse is fp32
+                    b_out, b_lse = _fused_forward(q[..., rq, :], ka[..., rk, :], va[..., rk, :], blk)
+                    b_out, b_lse = b_out.to(acc), b_lse.to(acc)
+                else:  # one tile in the accumulation dtype
+                    s = blk.scores(q[..., rq, :].to(acc), ka[..., rk, :].to(acc))
                     b_lse = torch.logsumexp(s, dim=-1)
                     p = _safe_exp_diff(s, b_lse[..., None])
-                    b_out = torch.matmul(p, va[..., rk, :])
+                    b_out = torch.matmul(p, va[..., rk, :].to(acc))
                 new = torch.logaddexp(lse[..., rq], b_lse)
                 out[..., rq, :] = (
                     out[..., rq, :] * _safe_exp_diff(lse[..., rq], new)[..., None]
@@ -312,7 +413,7 @@ class LseAttention(torch.autograd.Function):
             if recv is not None:
                 kv = recv
         if sink is not None:  # the sink: one more key of score `sink` and value 0 per head
-            s5 = sink.detach().to(acc).view(1, *qa.shape[1:3], 1)
+            s5 = sink.detach().to(acc).view(1, *q.shape[1:3], 1)
             new = torch.logaddexp(lse, s5)
             out *= _safe_exp_diff(lse, new)[..., None]
             lse = new
@@ -336,26 +437,27 @@ class LseAttention(torch.autograd.Function):
         C, me = _ring_size(group)
         acc = out.dtype
         d, same = k.shape[-1], k.shape[-1] == v.shape[-1]
-        qa = q.to(acc)
         do = torch.zeros_like(out) if dout is None else dout.to(acc)
         # 1. D_i = sum_d dO_i O_i - dlse_i: the softmax backward's row term (d lse_i / d s_ij = p_ij)
         D = (do * out).sum(-1)
         if dlse is not None:
             D = D - dlse.to(acc)
         fused_ok = dlse is None  # the fused backward computes D itself, without the lse term
-        dq = torch.zeros_like(qa)
+        low = (do.to(q.dtype), out.to(q.dtype)) if fused_ok and fused_kernel(q, same) else None
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         kv = torch.cat([k, v], dim=-1)
         incoming = None  # (buffer, work): the partial dk/dv of the block computed next, in flight
         my_segs = tile_segments(ring_segments(me, C, seq_len, order), tile)
         for step in range(C):
             src = (me - step) % C
             recv_kv, work_kv = _shift(kv, group) if step < C - 1 else (None, None)
-            ka, va = kv[..., :d].to(acc), kv[..., d:].to(acc)
+            ka, va = kv[..., :d], kv[..., d:]
             dkv = torch.zeros(kv.shape, dtype=acc, device=k.device)  # this rank's part for block src
             dk, dv = dkv[..., :d], dkv[..., d:]
             k_segs = tile_segments(ring_segments(src, C, seq_len, order), tile)
             for blk, rq, rk in _blocks(my_segs, k_segs, window, scale, ctx.mask, ctx.bias, ctx.docs):
-                gq, gk, gv = _block_grads(blk, rq, rk, (qa, ka, va, do, out, lse, D), scale, fused_ok and same)
+                grads = _block_grads(blk, rq, rk, (q, ka, va, do, out, lse, D, low), scale, fused_ok and same)
+                gq, gk, gv = grads
                 dq[..., rq, :] += gq
                 dk[..., rk, :] += gk
                 dv[..., rk, :] += gv
@@ -373,7 +475,7 @@ class LseAttention(torch.autograd.Function):
                 kv = recv_kv
         _wait(incoming[1])
         dkv = incoming[0]
-        dsink = _sink_grad(sink, qa, lse, D) if sink is not None and ctx.needs_input_grad[3] else None
+        dsink = _sink_grad(sink, q, lse, D) if sink is not None and ctx.needs_input_grad[3] else None
         return (dq.to(q.dtype), dkv[..., :d].to(k.dtype), dkv[..., d:].to(v.dtype), dsink) + (None,) * 9
 
 
@@ -404,7 +506,7 @@ def ring_attention(
     unbounded), blocks outside it are skipped.  ``softmax_offset [hq]``: per-head sink logits.
     ``return_lse``: also the log-sum-exp, ``[Sq, b, hq]`` (``sbhd``) / ``[b, Sq, hq]`` (``bshd``),
     in float32 (float64 for float64 inputs).  ``tile``: see :class:`LseAttention`; default
-    whole ring segments, or ``LSE_TILE`` tokens with a window."""
+    whole ring segments when every block takes the fused kernel, else ``LSE_TILE`` tokens."""
     sd = seq_dim(layout)
     C, _ = _ring_size(group)
     if C == 1:
@@ -419,11 +521,13 @@ def ring_attention(
     )
     q5, k5, v5 = to5(q, hk, hq // hk), to5(k, hk, 1), to5(v, hk, 1)
     docs = None
-    if cu_seqlens is not None:
-        docs = document_ids(cu_seqlens, S, q.device)
+    if cu_seqlens is not None:  # the host boundaries decide which blocks meet; the ids mask the rest
+        docs = (host_bounds(cu_seqlens), document_ids(cu_seqlens, S, q.device))
     window = attention_window(causal, window_size)
-    if tile is None and has_window(window_size):
-        tile = LSE_TILE
+    if tile is None and not call_is_fused(
+        q, k.shape[-1] == v.shape[-1], attention_mask, attention_bias, docs, window_size
+    ):
+        tile = LSE_TILE  # the matmul engine: scores of one tile x tile block at a time
     out, lse = LseAttention.apply(
         q5, k5, v5, softmax_offset, group, window, scale, S, token_order, attention_mask, attention_bias, docs, tile
     )

@@ -48,7 +48,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     ``vocab_start``), ``labels [T]``.  Vocabulary-parallel: the max, the sum of exponentials and
     the target logit are reduced over ``tp_group``.  The gradient of ``hidden`` is this rank's
     partial sum over its vocabulary rows (the caller's tensor-parallel mapping reduces it, as
-    Megatron's ``ColumnParallelLinear`` does).  Reductions in fp32 whatever the input dtype."""
+    Megatron's ``ColumnParallelLinear`` does).  The GEMMs run in the input dtype (bf16 in a bf16
+    run); the softmax, its reductions and the sum of the weight's gradient over chunks in fp32."""
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, chunk: int, tp_group, vocab_start: int):
@@ -76,21 +77,26 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad):
         hidden, weight, labels, lse = ctx.saved_tensors
         chunk, V = ctx.chunk, weight.shape[0]
-        w32 = weight.float()
         grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        # the weight's gradient: summed over chunks in fp32 (one chunk alone: its GEMM's own output)
+        grad_weight = None
         grad = grad.float()
         for c in range(0, hidden.shape[0], chunk):
             h = hidden[c : c + chunk]
-            p = torch.matmul(h, weight.t()).float()
+            p = torch.matmul(h, weight.t()).float()  # GEMM in the input dtype; softmax in fp32
             p.sub_(lse[c : c + chunk].unsqueeze(1)).exp_()  # softmax over the whole vocabulary
             local = labels[c : c + chunk] - ctx.vocab_start
             inside = (local >= 0) & (local < V)
             p.scatter_add_(1, local.clamp(0, V - 1).unsqueeze(1), -inside.float().unsqueeze(1))
             p.mul_(grad[c : c + chunk].unsqueeze(1))
-            grad_hidden[c : c + chunk] = torch.matmul(p, w32).to(hidden.dtype)
-            grad_weight.addmm_(p.t(), h.float())
-            del p
+            p = p.to(weight.dtype)  # the two gradient GEMMs in the input dtype (fp32 accumulation inside)
+            grad_hidden[c : c + chunk] = torch.matmul(p, weight)
+            part = torch.matmul(p.t(), h)
+            if grad_weight is None:
+                grad_weight = part if c + chunk >= hidden.shape[0] else part.float()
+            else:
+                grad_weight += part
+            del p, part
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
 
 
