@@ -5,12 +5,14 @@
 
 * kernels: forward+backward of each installed inner kernel (sdpa, flash, te) through
   ``ulysses_attention`` with a group of one, bf16, causal, vs sequence length;
-* layout copies: the pack / unpack copies of the exchange (``exchange._pack_qkv`` and the
-  gradient unpack) at P = 2, 4, 8 on one device, with their achieved GB/s;
+* layout copies: the pack / unpack copies of the exchange (``QkvRoute.pack_all`` and
+  ``unpack_grad_all``) at P = 2, 4, 8 on one device, with their achieved GB/s;
 * memory: peak ``torch.cuda.max_memory_allocated`` of a GPTModel forward+backward per
   sequence length (degree 1; divide the activation part by P for P ranks).
-Writes ``gpu_bench.json`` and ``gpu_bench.md`` into --out.  ``--device cpu`` runs the same
-code on the CPU (to check the script; numbers are not GPU numbers).
+Writes ``gpu_bench.json`` and ``gpu_bench.md`` into --out after each section (a failing section
+is recorded and the next one runs; exit 1 if any failed).  ``--device cpu --quick`` runs the same
+code on the CPU at small sizes: the suite's smoke run (tests/test_tools_bench_gpu.py), so this
+script cannot call a function that is gone.
 """
 
 import argparse
@@ -63,15 +65,17 @@ def bench_kernels(dev, seqs, dtype):
 
 
 def bench_copies(dev, S, dtype):
+    """The exchange's pack (q, k, v -> send buffer) and gradient unpack copies, on one device."""
     from ulysses_mcore import exchange
 
     rows = []
     for P in (2, 4, 8):
         plan = exchange.HeadPlan(32, 8, P)
         q, k, v = (torch.randn(S // P, 1, h, 128, device=dev, dtype=dtype) for h in (32, 8, 8))
-        t_pack = timeit(lambda: exchange._pack_qkv(q, k, v, plan), dev)
-        buf = exchange._pack_qkv(q, k, v, plan)[0].clone()
-        t_unpack = timeit(lambda: exchange._unpack_qkv_grad(buf, plan, S // P, 1, 128, 128, k.shape, v.shape), dev)
+        route = exchange.qkv_route(q, v, plan, 0, "sbhd")
+        t_pack = timeit(lambda: route.pack_all(q, k, v), dev)
+        buf = route.pack_all(q, k, v).clone()
+        t_unpack = timeit(lambda: route.unpack_grad_all(buf, k.shape, v.shape), dev)
         nbytes = buf.numel() * buf.element_size()
         rows.append(
             {
@@ -87,94 +91,121 @@ def bench_copies(dev, S, dtype):
     return rows
 
 
-def bench_memory(dev, seqs):
-    if dev.type != "cuda":
-        return [{"skipped": "needs CUDA for max_memory_allocated"}]
+def _world_of_one(dev):
     import torch.distributed as dist
 
     import ulysses_mcore
-    from megatron.core import tensor_parallel
-    from ulysses_mcore.megatron import training
-    from ulysses_mcore.megatron.batch import make_lm_batch
 
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29611")
-        dist.init_process_group("nccl", rank=0, world_size=1)
-    ulysses_mcore.initialize(verbose=False)
-    tensor_parallel.model_parallel_cuda_manual_seed(0)
-    cfg = training.gpt_config(
-        num_layers=4,
-        hidden_size=2048,
-        num_attention_heads=16,
-        num_query_groups=4,
-        ffn_hidden_size=8192,
-        bf16=True,
-        params_dtype=torch.bfloat16,
-    )
-    model = training.build_gpt(cfg, vocab_size=32768, max_sequence_length=max(seqs)).cuda()
+        os.environ.setdefault("MASTER_PORT", str(29611 + os.getpid() % 1000))
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=0, world_size=1)
+        if dev.type == "cpu":
+            from ulysses_mcore.megatron import cpu_compat
+
+            cpu_compat.apply()
+        ulysses_mcore.initialize(verbose=False)
+
+
+def bench_memory(dev, seqs, quick=False):
+    """Peak memory of a GPTModel forward+backward per sequence length (degree 1)."""
+    from megatron.core import tensor_parallel
+
+    from ulysses_mcore.megatron import training
+    from ulysses_mcore.megatron.batch import make_lm_batch
+
+    _world_of_one(dev)
+    if dev.type == "cuda":
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    size = dict(num_layers=2, hidden_size=128, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=256)
+    if not quick:
+        size = dict(num_layers=4, hidden_size=2048, num_attention_heads=16, num_query_groups=4, ffn_hidden_size=8192)
+    cfg = training.gpt_config(**size, bf16=dtype == torch.bfloat16, params_dtype=dtype)
+    vocab = 1024 if quick else 32768
+    model = training.build_gpt(cfg, vocab_size=vocab, max_sequence_length=max(seqs))
     rows = []
     for S in seqs:
-        b = {k: v.cuda() for k, v in make_lm_batch(torch.randint(0, 32768, (1, S + 1))).items()}
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
+        b = training.to_device(make_lm_batch(torch.randint(0, vocab, (1, S + 1))), training.training_device())
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated() if dev.type == "cuda" else 0
         model(b["tokens"], b["position_ids"], None, labels=b["labels"]).sum().backward()
-        rows.append(
-            {
-                "seq": S,
-                "peak_gb": torch.cuda.max_memory_allocated() / 1e9,
-                "peak_above_resident_gb": (torch.cuda.max_memory_allocated() - base) / 1e9,
-            }
-        )
+        peak = torch.cuda.max_memory_allocated() if dev.type == "cuda" else 0
+        rows.append({"seq": S, "peak_gb": peak / 1e9, "peak_above_resident_gb": (peak - base) / 1e9})
         model.zero_grad_buffer()
     return rows
+
+
+def _table(title, header, rows, fmt):
+    lines = ["", f"## {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in rows:
+        lines.append("| " + (f"skipped: {r['skipped']}" if "skipped" in r else fmt(r)) + " |")
+    return lines
+
+
+TABLES = {  # section -> (title, header, row format)
+    "kernels": (
+        "kernels, fwd+bwd, causal, 32 q / 8 kv heads of 128",
+        ["kernel", "seq", "ms", "TFLOP/s"],
+        lambda r: f"{r['kernel']} | {r['seq']} | {r['ms']:.2f} | {r['tflops']:.1f}",
+    ),
+    "copies": (
+        "exchange copies (one device)",
+        ["P", "seq", "MB", "pack ms (GB/s)", "unpack ms (GB/s)"],
+        lambda r: (
+            f"{r['P']} | {r['seq']} | {r['bytes'] / 1e6:.0f} | {r['pack_ms']:.2f} ({r['pack_GBps']:.0f}) | "
+            f"{r['unpack_ms']:.2f} ({r['unpack_GBps']:.0f})"
+        ),
+    ),
+    "memory": (
+        "GPTModel forward+backward peak memory",
+        ["seq", "peak GB", "above resident GB"],
+        lambda r: f"{r['seq']} | {r['peak_gb']:.2f} | {r['peak_above_resident_gb']:.2f}",
+    ),
+}
+
+
+def write(out_dir, res):
+    """gpu_bench.json and gpu_bench.md with every section finished so far."""
+    with open(os.path.join(out_dir, "gpu_bench.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    lines = [f"# single-device benchmarks on {res['device']} (torch {res['torch']})"]
+    for name, (title, header, fmt) in TABLES.items():
+        if name in res:
+            lines += _table(title, header, res[name], fmt)
+    with open(os.path.join(out_dir, "gpu_bench.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return lines
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
     p.add_argument("--device", default="cuda")
-    p.add_argument("--quick", action="store_true")
+    p.add_argument("--quick", action="store_true", help="small sizes (the suite's CPU smoke run)")
     a = p.parse_args(argv)
     dev = torch.device(a.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    seqs = [1024, 2048] if a.quick else [4096, 16384, 65536]
+    seqs = [256, 512] if a.quick else [4096, 16384, 65536]
     os.makedirs(a.out, exist_ok=True)
     res = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__}
-    res["kernels"] = bench_kernels(dev, seqs, dtype)
-    res["copies"] = bench_copies(dev, 8192 if a.quick else 131072, dtype)
-    res["memory"] = bench_memory(dev, [2048, 4096] if a.quick else [8192, 32768, 65536])
-    with open(os.path.join(a.out, "gpu_bench.json"), "w") as f:
-        json.dump(res, f, indent=1)
-    lines = [
-        f"# single-device benchmarks on {res['device']} (torch {res['torch']})",
-        "",
-        "| kernel | seq | ms fwd+bwd | TFLOP/s |",
-        "|---|---|---|---|",
+    sections = [
+        ("kernels", lambda: bench_kernels(dev, seqs, dtype)),
+        ("copies", lambda: bench_copies(dev, 2048 if a.quick else 131072, dtype)),
+        ("memory", lambda: bench_memory(dev, [256, 512] if a.quick else [8192, 32768, 65536], a.quick)),
     ]
-    for r in res["kernels"]:
-        lines.append(
-            f"| {r['kernel']} | - | skipped: {r['skipped']} | |"
-            if "skipped" in r
-            else f"| {r['kernel']} | {r['seq']} | {r['ms']:.2f} | {r['tflops']:.1f} |"
-        )
-    lines += ["", "| P | seq | MB | pack ms (GB/s) | unpack ms (GB/s) |", "|---|---|---|---|---|"]
-    for r in res["copies"]:
-        lines.append(
-            f"| {r['P']} | {r['seq']} | {r['bytes'] / 1e6:.0f} | {r['pack_ms']:.2f} ({r['pack_GBps']:.0f}) | "
-            f"{r['unpack_ms']:.2f} ({r['unpack_GBps']:.0f}) |"
-        )
-    lines += ["", "| seq | peak GB | above resident GB |", "|---|---|---|"]
-    for r in res["memory"]:
-        lines.append(
-            f"| - | skipped: {r['skipped']} | |"
-            if "skipped" in r
-            else f"| {r['seq']} | {r['peak_gb']:.2f} | {r['peak_above_resident_gb']:.2f} |"
-        )
-    with open(os.path.join(a.out, "gpu_bench.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return 0
+    failed = 0
+    for name, run in sections:  # each section written as it finishes; a failing one does not stop the rest
+        try:
+            res[name] = run()
+        except Exception as e:  # noqa: BLE001 - reported in the results, the next section still runs
+            res[name] = [{"skipped": f"failed: {type(e).__name__}: {str(e).strip()[:300]}"}]
+            failed += 1
+        print(f"[bench_gpu] {name} done", flush=True)
+        write(a.out, res)
+    print("\n".join(write(a.out, res)))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

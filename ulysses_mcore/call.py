@@ -109,17 +109,19 @@ class CallCache:
         head0: int = 0,
         check: bool = True,
         extra=None,
+        kernel=None,
     ):
         """Attention of this call: the prepared call of its signature, made (and validated when
         ``check``) the first time.  ``extra``: the caller's own checks (a hashable tuple of
-        ``(name, value)`` pairs, e.g. the module's expected heads), part of the signature."""
+        ``(name, value)`` pairs, e.g. the module's expected heads), part of the signature.  ``kernel``:
+        the caller's own kernel object (a module's Transformer Engine child), fixed per cache."""
         key = call_key(q, k, v, opts, group, ring_group, tensors, head0, extra)
         call = self.entries.get(key) if key is not None else None
         if call is None:
-            call = self.prepare(key, q, k, v, opts, group, ring_group, tensors, head0, check, extra)
+            call = self.prepare(key, q, k, v, opts, group, ring_group, tensors, head0, check, extra, kernel)
         return call(q, k, v, tensors)
 
-    def prepare(self, key, q, k, v, opts, group, ring_group, tensors, head0, check, extra):
+    def prepare(self, key, q, k, v, opts, group, ring_group, tensors, head0, check, extra, kernel=None):
         degree = 1 if group is None else dist.get_world_size(group)
         ring = 1 if ring_group is None else dist.get_world_size(ring_group)
         if degree < 1 or ring < 1:  # no peer waits on a rank outside the group: raising here is safe
@@ -130,7 +132,7 @@ class CallCache:
         if check:
             checked = {name: t for name, t in tensors._asdict().items() if name != "max_seqlen"}
             check_call(q, k, v, opts, checked, dict(extra or ()), group, ring_group, degree, ring)
-        call = PreparedCall(q, k, v, opts, group, ring_group, degree, ring, tensors, head0)
+        call = PreparedCall(q, k, v, opts, group, ring_group, degree, ring, tensors, head0, kernel)
         if key is not None:
             if len(self.entries) >= self.max_entries:
                 self.entries.clear()
@@ -147,7 +149,7 @@ def lse_columns(dtype: torch.dtype) -> int:
 class PreparedCall:
     """Everything about one call signature that does not change from call to call."""
 
-    def __init__(self, q, k, v, opts: AttentionOptions, group, ring_group, degree, ring, tensors, head0):
+    def __init__(self, q, k, v, opts: AttentionOptions, group, ring_group, degree, ring, tensors, head0, kernel=None):
         self.group, self.ring_group, self.opts = group, ring_group, opts
         self.thd = opts.layout == "thd"
         self.layout = "sbhd" if self.thd else opts.layout
@@ -168,7 +170,7 @@ class PreparedCall:
         self.kw["heads"] = (head0 + self.lo, head0 + self.hi)
         self.kv_index = kv_index(self.plan, rank, q.device) if self.exchange else None
         kv_local = self.hi - self.lo if self.kv_index is not None else self.plan.kv_count(rank)
-        self.kernel = self._kernel(q, v, opts, ring, ring_group, tensors, kv_local != self.hi - self.lo)
+        self.kernel = kernel or self._kernel(q, v, opts, ring, ring_group, tensors, kv_local != self.hi - self.lo)
         if self.exchange:
             self._routes(q, v, rank, opts)
 

@@ -172,6 +172,31 @@ class UlyssesAttention(MegatronModule):
         self._sinks(config)
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.te_attention = self._te_child(v_channels or self.head_dim) if backend == "te" else None
+
+    def _te_child(self, dv: int):
+        """Transformer Engine's attention for the heads this rank holds after the exchange, built once
+        from the spec's layer: a child module (layer number, FP8 metadata, state in checkpoints)."""
+        from ..backends import TEAttention, backend_error
+        from ..exchange import HeadPlan
+
+        err = backend_error("te")
+        if err:
+            raise ValueError(f"UlyssesAttention(backend='te'): {err}")
+        plan = HeadPlan(self.num_q_heads, self.num_kv_heads, self.degree)
+        rank = dist.get_rank(self.group) if self.degree > 1 else 0
+        lo, hi = plan.q_range(rank)
+        kv = hi - lo if self.degree > 1 and plan.kv_index_for_q(rank) is not None else plan.kv_count(rank)
+        return TEAttention(
+            hi - lo,
+            kv,
+            self.head_dim,
+            dv,
+            softmax_scale=self.softmax_scale,
+            dropout_p=self.dropout_p,
+            layer_number=self.layer_number,
+            ring_group=self.ring_group,
+        )
 
     def _check_context_parallel(self, cp_size: int) -> None:
         if (cp_size > 1 or self.ring > 1) and cp_size != self.degree * self.ring:
@@ -261,6 +286,7 @@ class UlyssesAttention(MegatronModule):
             self.tp_rank * self.num_q_heads,
             self.check,
             extra,
+            self.te_attention,
         )
         if cu is not None:
             return out.reshape(out.shape[0], -1)  # [t, h*d]; Megatron adds the batch dim back
@@ -279,8 +305,10 @@ class UlyssesAttention(MegatronModule):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         """The learnable sinks, sharded over tensor parallelism on dim 0 (as Megatron's own
-        ``DotProductAttention`` saves them), so a checkpoint is the same for any layout."""
-        if self.softmax_type != "learnable":
+        ``DotProductAttention`` saves them), so a checkpoint is the same for any layout; the
+        Transformer Engine child's state (its ``_extra_state``: FP8 metadata) as Megatron saves TE's."""
+        learnable = self.softmax_type == "learnable"
+        if not learnable and self.te_attention is None:
             return {}
         from megatron.core import parallel_state
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
@@ -293,7 +321,11 @@ class UlyssesAttention(MegatronModule):
             dp_cp = (metadata or {}).get("dp_cp_group")
             kw["dp_cp_group"] = dp_cp or parallel_state.get_data_parallel_group(with_context_parallel=True)
         return make_sharded_tensors_for_checkpoint(
-            self.state_dict(prefix="", keep_vars=True), prefix, {"softmax_offset": 0}, sharded_offsets, **kw
+            self.state_dict(prefix="", keep_vars=True),
+            prefix,
+            {"softmax_offset": 0} if learnable else {},
+            sharded_offsets,
+            **kw,
         )
 
     def _packed(self, psp):

@@ -43,6 +43,37 @@ def gpt_config(**kw):
     return cfg
 
 
+def training_device() -> torch.device:
+    """The one device of this process's model and batches: the current CUDA device when CUDA is
+    available and the process group (if any) runs on NCCL, else the CPU.  The model is moved there
+    before DDP wraps it (:func:`build_gpt`), every batch in the forward step (:func:`to_device`)."""
+    import torch.distributed as dist
+
+    if torch.cuda.is_available() and (not dist.is_initialized() or dist.get_backend() == "nccl"):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def to_device(batch: Dict, device) -> Dict:
+    """A micro-batch on ``device``: its tensors and Megatron's ``PackedSeqParams`` (tensor fields
+    moved, host ints such as ``max_seqlen_q`` kept), copied with ``non_blocking``."""
+    import dataclasses
+
+    def move(x):
+        if isinstance(x, torch.Tensor):
+            return x if x.device == device else x.to(device, non_blocking=True)
+        if dataclasses.is_dataclass(x) and not isinstance(x, type):
+            moved = {f.name: move(getattr(x, f.name)) for f in dataclasses.fields(x) if f.init}
+            return dataclasses.replace(x, **moved)
+        return x
+
+    return {k: move(v) for k, v in batch.items()}
+
+
+def _model_device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
 def build_gpt(
     config,
     *,
@@ -69,6 +100,7 @@ def build_gpt(
         share_embeddings_and_output_weights=share_embeddings_and_output_weights,
         position_embedding_type=position_embedding_type,
     )
+    model.to(training_device())  # norms, buffers (sinks) and CPU-initialised weights: before DDP sees them
     if not wrap_ddp:
         return model
     if ddp_config is None:
@@ -158,7 +190,7 @@ def build_optimizer(
 
 
 def _forward_step(data_iterator, model):
-    batch = next(data_iterator)
+    batch = to_device(next(data_iterator), _model_device(model))
     out = model(
         batch["tokens"],
         batch["position_ids"],
@@ -335,6 +367,8 @@ def global_layer_name(model, name: str) -> str:
 
 __all__ = [
     "gpt_config",
+    "training_device",
+    "to_device",
     "build_gpt",
     "init_layout_independent",
     "build_optimizer",
