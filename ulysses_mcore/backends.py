@@ -180,8 +180,10 @@ def _sdpa_varlen(q, k, v, cu_seqlens, seqlens, *, causal, softmax_scale, dropout
     """Packed documents through SDPA: on a GPU in half precision, torch's own varlen flash kernel
     (device boundaries, ``max_seqlen`` from the host: no sync); else one SDPA call per document,
     the boundaries read on the host once per micro-batch (:data:`ulysses_mcore.orders.host_bounds`)."""
-    if seqlens is None and not dropout_p and torch_varlen_applies(q, v):
-        return _torch_varlen(q, k, v, cu_seqlens, causal=causal, softmax_scale=softmax_scale, max_seqlen=max_seqlen)
+    if not dropout_p and torch_varlen_applies(q, v):
+        return _torch_varlen(
+            q, k, v, cu_seqlens, seqlens, causal=causal, softmax_scale=softmax_scale, max_seqlen=max_seqlen
+        )
     bounds = host_bounds(cu_seqlens)
     real = [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])] if seqlens is None else host_lengths(seqlens)
     outs = []
@@ -216,10 +218,9 @@ def torch_varlen_applies(q, v) -> bool:
     )
 
 
-def _torch_varlen(q, k, v, cu_seqlens, *, causal, softmax_scale, max_seqlen):
+def _torch_varlen(q, k, v, cu_seqlens, seqlens, *, causal, softmax_scale, max_seqlen):
     from torch.nn.attention.varlen import varlen_attn
 
-    cu32, maxlen = _varlen_args(cu_seqlens, q.device, max_seqlen)
     kw = dict(scale=softmax_scale)
     params = inspect.signature(varlen_attn).parameters
     if "is_causal" in params:  # torch 2.9-2.11 spell causality is_causal; later ones as a window
@@ -231,8 +232,7 @@ def _torch_varlen(q, k, v, cu_seqlens, *, causal, softmax_scale, max_seqlen):
             k, v = (t.repeat_interleave(q.shape[2] // k.shape[2], dim=2) for t in (k, v))
         else:
             kw["enable_gqa"] = True
-    out = varlen_attn(q[:, 0], k[:, 0], v[:, 0], cu32, cu32, maxlen, maxlen, **kw)
-    return out.unsqueeze(1)
+    return _flash_varlen(varlen_attn, kw, q, k, v, cu_seqlens, seqlens, max_seqlen)
 
 
 def interleaved_boundaries(cu_seqlens: torch.Tensor, seqlens: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ document boundaries and are computed per call, vectorised.
 
 from __future__ import annotations
 
+import threading
 from typing import Callable, List, Optional, Tuple
 
 import torch
@@ -40,11 +41,12 @@ def document_ids(cu_seqlens: torch.Tensor, total: int, device=None) -> torch.Ten
     return torch.bucketize(torch.arange(total, device=device), cu[1:], right=True)
 
 
-class HostValues:
+class HostValues(threading.local):
     """The last integer tensor read on the host, kept with the tensor (and its version) it was read
     from: every layer of a micro-batch passes the same ``cu_seqlens`` tensor, so the kernels that
     need document boundaries on the host (the ``sdpa`` per-document loop on the CPU, the ring's
-    block skipping) read them once per micro-batch, not once per layer."""
+    block skipping) read them once per micro-batch, not once per layer.  Per thread (ranks of a
+    threaded world share the module)."""
 
     def __init__(self):
         self.tensor: Optional[torch.Tensor] = None

@@ -74,7 +74,7 @@ def document_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     """Position of each token of a packed stream inside its own document (restarting at 0)."""
     from ..orders import document_ids
 
-    return torch.arange(total) - cu_seqlens.long()[document_ids(cu_seqlens, total)]
+    return torch.arange(total, device=cu_seqlens.device) - cu_seqlens.long()[document_ids(cu_seqlens, total)]
 
 
 def reset_position_ids(batch: Dict[str, torch.Tensor], eod_token_id: int) -> Dict[str, torch.Tensor]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import threading
 from typing import Optional, Union
 
 import torch
@@ -73,15 +74,16 @@ def _host_int(value) -> Optional[int]:
     return None
 
 
-_LAST_LENGTHS: list = [None, -1, None]  # (cu_seqlens_q, its version, its lengths): one micro-batch's
+_LAST_LENGTHS = threading.local()  # .of = (cu_seqlens_q, its version, its lengths): one micro-batch's
 
 
 def _lengths(cu: torch.Tensor) -> torch.Tensor:
     """Document lengths of ``cu_seqlens_q``, one tensor per micro-batch shared by every layer (so a
     kernel that reads them on the host reads them once per micro-batch)."""
-    if _LAST_LENGTHS[0] is not cu or _LAST_LENGTHS[1] != cu._version:
-        _LAST_LENGTHS[:] = [cu, cu._version, cu[1:] - cu[:-1]]
-    return _LAST_LENGTHS[2]
+    last = getattr(_LAST_LENGTHS, "of", None)
+    if last is None or last[0] is not cu or last[1] != cu._version:
+        last = _LAST_LENGTHS.of = (cu, cu._version, cu[1:] - cu[:-1])
+    return last[2]
 
 
 def _tp_size_and_rank(tp_group):
