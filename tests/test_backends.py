@@ -357,3 +357,99 @@ def test_bad_variant_input_same_error_on_every_rank(case):
     assert len(set(msgs)) == 1, msgs
     if text:
         assert text in msgs[0], msgs[0]
+
+
+# ----------------------------------------------------------------------------- GPU kernels' arguments
+@pytest.mark.parametrize(
+    "causal,packed,mask_shape,want",
+    [
+        (True, False, None, ("causal", False)),
+        (False, False, None, ("no_mask", False)),
+        (True, True, None, ("padding_causal", False)),
+        (False, True, None, ("padding", False)),
+        (True, False, (2, 1, 1, 16), ("padding_causal", False)),  # key padding: TE's lengths
+        (False, False, (2, 1, 1, 16), ("padding", False)),
+        (True, False, (2, 1, 16, 16), ("arbitrary", True)),  # a full mask: causality folded in
+        (False, False, (1, 4, 16, 16), ("arbitrary", False)),
+    ],
+)
+def test_te_mask_type(causal, packed, mask_shape, want):
+    assert backends.te_mask_type(causal, packed, mask_shape) == want
+
+
+@pytest.mark.parametrize(
+    "fa2,fa3,dropout,mla,want",
+    [
+        (True, True, False, False, "fa3"),
+        (True, True, True, False, "fa2"),  # flash-attn 3 has no dropout
+        (False, True, False, True, "fa3"),  # MLA: flash-attn 3 only
+        (True, False, False, True, None),
+        (False, True, True, False, None),
+        (True, True, True, True, None),
+        (True, False, False, False, "fa2"),
+    ],
+)
+def test_flash_choice(fa2, fa3, dropout, mla, want):
+    which, why = backends.flash_choice(fa2, fa3, dropout=dropout, mla=mla)
+    assert which == want and (bool(why) == (want is None))
+    if want is None:
+        assert ("dropout" in why) if dropout else ("flash-attn 3" in why)
+
+
+class _Recorder:
+    """A stand-in for flash-attn's functions that records its arguments and returns zeros."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, q, k, v, *args, **kw):
+        self.calls.append((args, kw, q.shape))
+        return torch.zeros(*q.shape[:-1], v.shape[-1])
+
+
+@pytest.mark.parametrize("which", ["fa2", "fa3"])
+def test_flash_calls_get_their_own_arguments(monkeypatch, which):
+    """flash-attn 3 never receives dropout_p (it has none); varlen calls get int32 boundaries and the
+    caller's max_seqlen; padded documents run as interleaved (real, pad) sequences and pad rows come
+    back zero -- nothing read on the host."""
+    dense, varlen = _Recorder(), _Recorder()
+    monkeypatch.setattr(backends, "flash_installed", lambda: (which == "fa2", True))
+    monkeypatch.setattr(backends, "_flash_functions", lambda w: (dense, varlen))
+    q = torch.randn(24, 1, 4, 8)
+    backends.flash_attention(q, q, q, causal=True, softmax_scale=0.5, dropout_p=0.1 if which == "fa2" else 0.0)
+    args, kw, shape = dense.calls[-1]
+    assert shape == (1, 24, 4, 8) and kw["causal"] and kw["softmax_scale"] == 0.5
+    assert ("dropout_p" in kw) == (which == "fa2")
+    cu, lens = torch.tensor([0, 8, 20, 24]), torch.tensor([5, 11, 3])
+    out = backends.flash_attention(q, q, q, causal=True, cu_seqlens=cu, seqlens=lens, max_seqlen=12)
+    args, kw, shape = varlen.calls[-1]
+    assert shape == (24, 4, 8) and args[0].dtype == torch.int32 and args[2] == args[3] == 12
+    assert args[0].tolist() == [0, 5, 8, 19, 20, 23, 24]
+    assert out.shape == (24, 1, 4, 8)
+
+
+def test_te_call_arguments():
+    """What a TE DotProductAttention receives: the format, the mask type, the folded mask, and for
+    packed input int32 boundaries, padded offsets and the caller's max_seqlen."""
+    calls = []
+
+    def te_mod(q, k, v, **kw):
+        calls.append((q.shape, kw))
+        return torch.zeros(*q.shape[:-1], v.shape[-1])
+
+    q = torch.randn(16, 2, 4, 8)
+    mask = torch.zeros(2, 1, 16, 16, dtype=torch.bool)
+    backends.te_call(te_mod, q, q, q, causal=True, attention_mask=mask)
+    shape, kw = calls[-1]
+    assert kw["attn_mask_type"] == "arbitrary" and kw["qkv_format"] == "sbhd"
+    assert torch.equal(kw["attention_mask"][0, 0], torch.ones(16, 16, dtype=torch.bool).triu(1))
+    backends.te_call(te_mod, q, q, q, causal=True)
+    assert calls[-1][1]["attn_mask_type"] == "causal" and calls[-1][1]["attention_mask"] is None
+    p = torch.randn(24, 1, 4, 8)
+    cu, lens = torch.tensor([0, 8, 20, 24]), torch.tensor([5, 11, 3])
+    out = backends.te_call(te_mod, p, p, p, causal=True, cu_seqlens=cu, seqlens=lens, max_seqlen=12)
+    shape, kw = calls[-1]
+    assert shape == (24, 4, 8) and out.shape == (24, 1, 4, 8)
+    assert kw["qkv_format"] == "thd" and kw["attn_mask_type"] == "padding_causal"
+    assert kw["cu_seqlens_q"].tolist() == [0, 5, 16, 19] and kw["cu_seqlens_q_padded"].tolist() == [0, 8, 20, 24]
+    assert kw["max_seqlen_q"] == kw["max_seqlen_kv"] == 12 and kw["cu_seqlens_q"].dtype == torch.int32

@@ -295,3 +295,63 @@ def test_hybrid_groups_when_megatrons_collection_lacks_the_levels():
             state.clear()
 
     assert all(run_threaded(4, rank_fn))
+
+
+def test_te_attention_is_a_child_built_once_per_module(monkeypatch):
+    """backend='te': each UlyssesAttention builds its Transformer Engine attention once, at
+    construction, for the heads its rank holds after the exchange and with its layer number, as a
+    child module whose state is in the module's state dict.  TE needs CUDA, so a stand-in with
+    TE's constructor and forward keywords computes the attention (SDPA) here; the outputs must
+    still equal float64 attention of the whole sequence (the wiring of heads and format)."""
+    import sys
+    import types
+
+    from ulysses_mcore import backends
+
+    built = []
+
+    class StandIn(torch.nn.Module):
+        def __init__(self, **kw):
+            super().__init__()
+            built.append(kw)
+            self.register_buffer("fp8_meta", torch.zeros(2))  # stands for TE's per-layer FP8 state
+            self.calls = []
+
+        def forward(self, q, k, v, **kw):
+            self.calls.append(kw)
+            assert kw["qkv_format"] == "sbhd" and kw["attn_mask_type"] == "causal"
+            g = q.shape[2] // k.shape[2]
+            out = torch.nn.functional.scaled_dot_product_attention(
+                *(t.repeat_interleave(n, 2).permute(1, 2, 0, 3) for t, n in ((q, 1), (k, g), (v, g))), is_causal=True
+            )
+            return out.permute(2, 0, 1, 3).reshape(q.shape[0], q.shape[1], -1)
+
+    te = types.ModuleType("transformer_engine")
+    te.pytorch = types.ModuleType("transformer_engine.pytorch")
+    te.pytorch.DotProductAttention = StandIn
+    monkeypatch.setitem(sys.modules, "transformer_engine", te)
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", te.pytorch)
+    monkeypatch.setattr(backends, "is_installed", lambda name: True)
+    cfg = config(8, 2)
+    d, S, b = cfg.kv_channels, 16, 2
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(S, b, h, d, generator=g) for h in (8, 2, 2))
+
+    def fn(rank, world):
+        mods = [
+            UlyssesAttention(cfg, n, AttnMaskType.causal, ulysses_group=dist.group.WORLD, backend="te") for n in (1, 3)
+        ]
+        outs = [m(*(t.chunk(world)[rank] for t in (q, k, v)), None) for m in mods for _ in range(2)]
+        states = [sorted(m.state_dict()) for m in mods]
+        return outs[0], [len(m.te_attention.inner.calls) for m in mods], states
+
+    res = run_threaded(2, fn)
+    assert len(built) == 4  # 2 modules x 2 ranks, at construction: none at forward
+    assert {(kw["num_attention_heads"], kw["num_gqa_groups"], kw["layer_number"]) for kw in built} == {
+        (4, 1, 1),
+        (4, 1, 3),
+    }
+    for _out, calls, states in res:
+        assert calls == [2, 2] and states[0] == ["te_attention.inner.fp8_meta"]
+    ref = reference_attention(q.double(), k.double(), v.double(), causal=True).reshape(S, b, -1)
+    assert (torch.cat([r[0] for r in res]).double() - ref).abs().max() < 1e-5

@@ -477,3 +477,25 @@ def test_training_with_unsharded_model(tmp_path):
     ):
         m = merged[name]
         assert m["loss"] > 1e-3 or m["grad"] > 1e-3, (name, m)
+
+
+def test_to_device_moves_batches_and_packed_seq_params_keeping_host_ints():
+    """The trainer's one placement step for batches: every tensor and PackedSeqParams' tensor fields
+    go to the device (meta here: any device but the CPU), the host max_seqlen stays an int."""
+    import torch
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from ulysses_mcore.megatron.training import to_device, training_device
+
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=5, max_seqlen_kv=5)
+    batch = {"tokens": torch.zeros(1, 8, dtype=torch.long), "packed_seq_params": psp, "note": "x"}
+    moved = to_device(batch, torch.device("meta"))
+    assert moved["tokens"].device.type == "meta" and moved["note"] == "x"
+    mp = moved["packed_seq_params"]
+    assert mp.cu_seqlens_q.device.type == "meta" and mp.cu_seqlens_kv.device.type == "meta"
+    assert mp.max_seqlen_q == 5 and mp.qkv_format == "thd" and psp.cu_seqlens_q.device.type == "cpu"
+    assert to_device(batch, torch.device("cpu"))["tokens"] is batch["tokens"]  # already there: no copy
+    assert training_device() == torch.device("cuda" if torch.cuda.is_available() else "cpu", 0) or (
+        training_device().type == "cpu"
+    )
