@@ -1,7 +1,9 @@
 """Tier 4: GPU backends and NCCL (skipped without CUDA, never faked).
 
 * flash-attn and Transformer Engine kernels as the inner kernel, against float64;
-* with ULYSSES_GPU_WORLD=P (and >= P GPUs), the attention parity in an NCCL world of P.
+* P ranks as threads on one GPU through the real exchange, with the no-host-sync check;
+* with ULYSSES_GPU_WORLD=P (>= 2 GPUs; tools/device_check.sh sets it to the GPU count), the
+  attention parity in an NCCL world of P.
 """
 
 import os
@@ -132,40 +134,90 @@ def test_nccl_hybrid_world(backend):
     assert max(run_spawned(P, _nccl_hybrid_world, backend)) < 3e-2
 
 
+THREADED_CASES = {  # name: (hq, hk, options, packed)
+    "gqa": (8, 2, {}, False),
+    "uneven-heads": (7, 7, {}, False),  # 7 heads over P = 2: 4 and 3; P = 4: 28 q / 7 kv, groups straddle ranks
+    "overlap": (16, 8, {"overlap_chunks": 2}, False),
+    "packed-per-document": (8, 2, {"token_order": "per_document"}, True),
+}
+
+
+@pytest.mark.parametrize("case", list(THREADED_CASES))
 @pytest.mark.parametrize("P", [2, 4])
-def test_threaded_world_on_one_gpu_matches_float64_without_host_syncs(P):
-    """P ranks as threads on one GPU (the threaded backend moves CUDA tensors): fp32 against
-    float64; calls after the first (which validates once) run under
-    ``torch.cuda.set_sync_debug_mode("error")``: no device-to-host sync forward or backward."""
+def test_threaded_world_on_one_gpu_matches_float64_without_host_syncs(P, case):
+    """P ranks as threads on one GPU (the threaded backend moves CUDA tensors) through the real
+    exchange: GQA, an uneven head plan, overlap, and packed documents with GPU ``cu_seqlens`` in
+    Megatron-LM's per-document order (bf16 there: torch's varlen kernel); against float64 on the
+    CPU.  Calls after the first (which validates once) run under
+    ``torch.cuda.set_sync_debug_mode("error")``, switched once for all threads between barriers
+    (the mode is process-wide): no device-to-host sync forward or backward."""
+    import threading
+
     import torch.distributed as dist
 
     from tests.helpers import run_threaded
     from ulysses_mcore import ulysses_attention
 
-    q, k, v, dout = (t.float().cuda() for t in _inputs(S=64 * P, hq=4 * P, hk=P))
+    hq, hk, opts, packed = THREADED_CASES[case]
+    if case == "uneven-heads" and P == 4:
+        hq, hk = 28, 7
+    dtype = torch.bfloat16 if packed else torch.float32
+    S = 64 * P
+    full = [t.to(dtype).cuda() for t in _inputs(S=S, b=1 if packed else 2, hq=hq, hk=hk)]
+    cu = None
+    if packed:  # documents padded to multiples of 2P, dealt out per document (Megatron-LM's THD)
+        cu = torch.tensor([0, 4 * P, 20 * P, 36 * P, S], dtype=torch.int32, device="cuda")
+        full = [t[:, 0] for t in full]
+    gate = threading.Barrier(P)
+
+    def shard(t, rank):
+        if not packed:
+            return t.chunk(P)[rank]
+        from ulysses_mcore.orders import per_document_order
+
+        order = per_document_order(cu, P, S)
+        return t[order].chunk(P)[rank]
 
     def fn(rank, world):
         torch.cuda.set_device(0)
-        outs = []
+        kw = dict(group=dist.group.WORLD, causal=True, **opts)
+        if packed:
+            kw.update(layout="thd", cu_seqlens=cu, max_seqlen=S)
         for step in range(3):
-            qs, ks, vs = (t.chunk(world)[rank].clone().requires_grad_() for t in (q, k, v))
-            if step:
-                torch.cuda.set_sync_debug_mode("error")
-            try:
-                out = ulysses_attention(qs, ks, vs, group=dist.group.WORLD, causal=True)
-                out.backward(dout.chunk(world)[rank])
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-            outs.append((out.detach(), qs.grad, ks.grad, vs.grad))
-        return outs[-1]
+            if step == 1:  # the first call validated and prepared: now no sync may happen
+                if gate.wait() == 0:
+                    torch.cuda.set_sync_debug_mode("error")
+                gate.wait()
+            qs, ks, vs = (shard(t, rank).clone().requires_grad_() for t in full[:3])
+            out = ulysses_attention(qs, ks, vs, **kw)
+            out.backward(shard(full[3], rank))
+        gate.wait()
+        if rank == 0:
+            torch.cuda.set_sync_debug_mode("default")
+        return [t.detach().double().cpu() for t in (out, qs.grad, ks.grad, vs.grad)]
 
-    res = run_threaded(P, fn)
-    qr, kr, vr = (t.double().cpu().requires_grad_() for t in (q, k, v))
-    ref = reference_attention(qr, kr, vr, causal=True)
-    ref.backward(dout.double().cpu())
+    try:
+        res = run_threaded(P, fn)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    qr, kr, vr = (t.double().cpu().requires_grad_() for t in full[:3])
+    mask = None
+    if packed:
+        from ulysses_mcore.megatron.batch import document_mask
+
+        qr, kr, vr = (t.detach().unsqueeze(1).requires_grad_() for t in (qr, kr, vr))
+        mask = document_mask(cu.cpu(), S)
+    ref = reference_attention(qr, kr, vr, causal=True, attention_mask=mask)
+    ref.backward(full[3].double().cpu().reshape(ref.shape))
+    tol = 3e-2 if packed else 1e-4
     for i, r in enumerate((ref, qr.grad, kr.grad, vr.grad)):
-        got = torch.cat([res[rank][i].double().cpu() for rank in range(P)])
-        assert ((got - r).abs().max() / r.abs().max()).item() < 1e-4, i
+        r = r.squeeze(1) if packed else r
+        got = torch.cat([res[rank][i] for rank in range(P)])
+        if packed:
+            from ulysses_mcore.orders import per_document_order
+
+            got = got[torch.argsort(per_document_order(cu, P, S)).cpu()]
+        assert ((got - r).abs().max() / r.abs().max()).item() < tol, (case, i)
 
 
 GPU_VARIANTS = [  # backend, options: each kernel with what it supports natively (docs/variants.md)
