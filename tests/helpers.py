@@ -327,3 +327,16 @@ def shard_tokens(full: torch.Tensor, rank: int, degree: int, layout: str = "sbhd
     from ulysses_mcore.exchange import seq_dim
 
     return full.chunk(degree, dim=seq_dim(layout))[rank]
+
+
+def run_tool(script: str, *args: str, timeout: float = 300.0):
+    """``python SCRIPT ARGS`` from the repository root, one thread, warnings off: a completed process."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    return subprocess.run(
+        [sys.executable, script, *args], cwd=root, env=env, capture_output=True, text=True, timeout=timeout
+    )

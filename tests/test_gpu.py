@@ -227,6 +227,7 @@ GPU_VARIANTS = [  # backend, options: each kernel with what it supports natively
     ("sdpa", dict(dv=32)),
     ("te", dict(dv=32)),
     ("sdpa", dict(softmax_offset=True, return_lse=True, window_size=(48, 0))),
+    ("sdpa", dict(softmax_offset=True)),  # the engine's blocks through torch's CUDA flash kernel, fwd and bwd
 ]
 
 
@@ -260,3 +261,33 @@ def test_variant_kernels_on_gpu_match_float64(backend, opts):
         pairs += [(lse, rl), (sink.grad, sr.grad)]
     for a, r in pairs:
         assert ((a.double().cpu() - r).abs().max() / r.abs().max()).item() < 3e-2
+
+
+@pytest.mark.parametrize("order", ["load_balanced", "contiguous"])
+def test_threaded_hybrid_ring_on_one_gpu_matches_float64(order):
+    """Ulysses 2 x ring 2 as four threads on one GPU, bf16: the ring's blocks through torch's CUDA
+    flash kernel (input dtype, fp32 merge), its shifts between threads; against float64."""
+    from tests.helpers import run_threaded
+    from tests.test_ring import hybrid_groups, shard
+    from ulysses_mcore import ulysses_attention
+
+    U, C, S = 2, 2, 512
+    q, k, v, dout = (t.cuda() for t in _inputs(S=S, b=1, hq=8, hk=2))
+
+    def fn(rank, world):
+        torch.cuda.set_device(0)
+        ug, rg = hybrid_groups(rank, U, C)
+        c = rank % U + U * (rank // U)
+        qs, ks, vs = (shard(t, c, U * C, order, 0).clone().requires_grad_() for t in (q, k, v))
+        out = ulysses_attention(qs, ks, vs, group=ug, ring_group=rg, causal=True, token_order=order)
+        out.backward(shard(dout, c, U * C, order, 0))
+        return [t.detach().double().cpu() for t in (out, qs.grad, ks.grad, vs.grad)]
+
+    res = run_threaded(U * C, fn)
+    qr, kr, vr = (t.double().cpu().requires_grad_() for t in (q, k, v))
+    ref = reference_attention(qr, kr, vr, causal=True)
+    ref.backward(dout.double().cpu())
+    for i, r in enumerate((ref, qr.grad, kr.grad, vr.grad)):
+        for rank in range(U * C):
+            want = shard(r, rank, U * C, order, 0)
+            assert ((res[rank][i] - want).abs().max() / r.abs().max()).item() < 3e-2, (i, rank)

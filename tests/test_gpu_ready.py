@@ -40,21 +40,22 @@ FACTORIES = {
 }
 # (file, function): factories that never run per call, each with its reason
 HOST_SIDE = {
-    ("megatron/batch.py", "document_boundaries"): "data path: host batches, moved by training.to_device",
-    ("megatron/data.py", "write_indexed_dataset"): "preprocessing on the host",
-    ("megatron/data.py", "microbatches"): "data path: host batches, moved by training.to_device",
-    ("megatron/module.py", "_sinks"): "build time: moved with the model by build_gpt",
-    ("megatron/module.py", "_initial_sinks"): "build time: moved with the model by build_gpt",
-    ("megatron/training.py", "init_layout_independent"): "build time: host draw copied into the parameter",
-    ("megatron/training.py", "_nonfinite_report"): "once per step: a host flag moved to the reduction's device",
-    ("megatron/training.py", "_loss_on_all_ranks"): "once per step: host loss values",
-    ("megatron/pretrain.py", "_exit_reason"): "once per iteration: a host flag moved to the reduction's device",
+    ("ulysses_mcore/megatron/batch.py", "document_boundaries"): "data path: host batches, moved by training.to_device",
+    ("ulysses_mcore/megatron/data.py", "write_indexed_dataset"): "preprocessing on the host",
+    ("ulysses_mcore/megatron/data.py", "microbatches"): "data path: host batches, moved by training.to_device",
+    ("ulysses_mcore/megatron/module.py", "_sinks"): "build time: moved with the model by build_gpt",
+    ("ulysses_mcore/megatron/module.py", "_initial_sinks"): "build time: moved with the model by build_gpt",
+    ("ulysses_mcore/megatron/training.py", "init_layout_independent"): "build time: host draw, copied",
+    ("ulysses_mcore/megatron/training.py", "_nonfinite_report"): "once per step: a host flag, moved",
+    ("ulysses_mcore/megatron/training.py", "_loss_on_all_ranks"): "once per step: host loss values",
+    ("ulysses_mcore/megatron/pretrain.py", "_exit_reason"): "once per iteration: a host flag, moved",
 }
 
 
 def _factories_without_device(root=ROOT):
-    for path in sorted((root / "ulysses_mcore").rglob("*.py")):
-        rel = path.relative_to(root / "ulysses_mcore").as_posix()
+    paths = [p for pkg in ("ulysses_mcore", "megatron_patches") for p in sorted((root / pkg).rglob("*.py"))]
+    for path in paths:
+        rel = path.relative_to(root).as_posix()
         for fn in ast.walk(ast.parse(path.read_text())):
             if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
@@ -88,7 +89,7 @@ def test_the_walk_catches_a_factory_without_a_device(tmp_path):
         "import torch\ndef per_call(n):\n    return torch.arange(n)\n"
         "def fine(n, d):\n    return torch.arange(n, device=d)\n"
     )
-    assert list(_factories_without_device(tmp_path)) == [("x.py", "per_call", 3, "arange")]
+    assert list(_factories_without_device(tmp_path)) == [("ulysses_mcore/x.py", "per_call", 3, "arange")]
 
 
 # ----------------------------------------------------------------------------- GEMMs by dtype
@@ -283,3 +284,37 @@ def test_max_seqlen_from_packed_seq_params_reaches_the_kernel():
             )
         assert reads.reads == []
     assert [g["max_seqlen"] for g in got] == [12, 16] and got[1]["cu_seqlens"] is BATCHES[1][1]
+
+
+def test_ring_reads_packed_boundaries_once_per_micro_batch():
+    """Ulysses 2 x ring 2 on packed documents (threads): the ring's block skipping reads the
+    boundaries on the host once per micro-batch -- a later layer's call with the same
+    ``cu_seqlens`` reads nothing -- and the result is exact."""
+    from tests.test_ring import hybrid_groups, shard
+    from ulysses_mcore import ulysses_attention
+    from ulysses_mcore.megatron.batch import document_mask
+
+    S = 64
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(S, 4, 8, generator=g) for _ in range(3))
+    cu = torch.tensor([0, 10, 37, 64], dtype=torch.int32)
+
+    def fn(rank, world):
+        ug, rg = hybrid_groups(rank, 2, 2)
+        qs, ks, vs = (shard(t, rank, world, "load_balanced", 0) for t in (q, k, v))
+        kw = dict(group=ug, ring_group=rg, causal=True, layout="thd", token_order="load_balanced", max_seqlen=S)
+        reads, first, second = [], cu.clone(), cu.clone()
+        for cu_now in (first, first, second, second):  # micro-batch, its next layer, a new micro-batch, ...
+            with HostReads() as r:
+                out = ulysses_attention(qs, ks, vs, cu_seqlens=cu_now, **kw)
+            reads.append(len(r.reads))
+        return reads, out
+
+    res = run_threaded(4, fn)
+    ref = reference_attention(
+        *(t.double().unsqueeze(1) for t in (q, k, v)), causal=True, attention_mask=document_mask(cu, S)
+    ).squeeze(1)
+    for rank, (reads, out) in enumerate(res):
+        assert reads[1] == reads[3] == 0 and reads[2] == 1, reads  # reads[0]: the first call also validates
+        want = shard(ref, rank, 4, "load_balanced", 0)
+        assert ((out.double() - want).abs().max() / want.abs().max()).item() < 1e-5

@@ -57,6 +57,7 @@ def run_hybrid(
             attention_bias=bi,
             token_order=order,
             cu_seqlens=cu,
+            max_seqlen=S if thd else None,  # as UlyssesAttention passes PackedSeqParams.max_seqlen_q
             backend=backend,
         )
         out.backward(shard(dout, rank, world, order, sd))

@@ -3,26 +3,15 @@ section runs the package's current API (a GPU lease must never end on a function
 and each section's results are on disk as soon as it finishes."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import run_tool
 
 
 @pytest.mark.slow
 def test_cpu_smoke_run_writes_every_section(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run(
-        [sys.executable, "tools/bench_gpu.py", "--device", "cpu", "--quick", "--out", str(tmp_path)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_tool("tools/bench_gpu.py", "--device", "cpu", "--quick", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads((tmp_path / "gpu_bench.json").read_text())
     sdpa = [r for r in res["kernels"] if r.get("kernel") == "sdpa" and "ms" in r]
@@ -34,12 +23,21 @@ def test_cpu_smoke_run_writes_every_section(tmp_path):
 
 
 def test_sections_are_written_as_they_finish(tmp_path):
+    """The report is on disk after each section; a failing section is a row and the next one runs."""
+    import torch
+
     from tools import bench_gpu
 
-    res = {"device": "cpu", "torch": "x", "kernels": [{"kernel": "sdpa", "seq": 8, "ms": 1.0, "tflops": 0.1}]}
-    bench_gpu.write(str(tmp_path), res)
-    assert "| sdpa | 8 | 1.00 | 0.1 |" in (tmp_path / "gpu_bench.md").read_text()
+    report = bench_gpu.Report(str(tmp_path), "gpu_bench", "t", bench_gpu.TABLES, torch.device("cpu"))
+    seen = []
+
+    def boom():
+        seen.append((tmp_path / "gpu_bench.md").read_text())  # the first section is already written
+        raise RuntimeError("boom")
+
+    rows = [{"kernel": "sdpa", "seq": 8, "ms": 1.0, "tflops": 0.1}]
+    assert report.run([("kernels", lambda: rows), ("copies", boom), ("memory", lambda: [])]) == 1
+    assert "| sdpa | 8 | 1.00 | 0.1 |" in seen[0]
+    md = (tmp_path / "gpu_bench.md").read_text()
+    assert "skipped: failed: RuntimeError: boom" in md and md.count("## ") == 3
     assert json.loads((tmp_path / "gpu_bench.json").read_text())["kernels"][0]["seq"] == 8
-    res["copies"] = [{"skipped": "failed: RuntimeError: boom"}]
-    bench_gpu.write(str(tmp_path), res)
-    assert "skipped: failed: RuntimeError: boom" in (tmp_path / "gpu_bench.md").read_text()

@@ -3,26 +3,15 @@ section runs against the package's and Megatron's current APIs, and the losses s
 the committed CPU losses the GPU run is compared with (same weights, same batches)."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import run_tool
 
 
 @pytest.mark.slow
 def test_cpu_smoke_run(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run(
-        [sys.executable, "tools/gpu_model_check.py", "--device", "cpu", "--quick", "--out", str(tmp_path)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_tool("tools/gpu_model_check.py", "--device", "cpu", "--quick", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads((tmp_path / "gpu_model.json").read_text())
     assert len(res["losses"]) == 5 and all(r["rel"] is not None and r["rel"] < 1e-5 for r in res["losses"])

@@ -166,17 +166,40 @@ TABLES = {  # section -> (title, header, row format)
 }
 
 
-def write(out_dir, res):
-    """gpu_bench.json and gpu_bench.md with every section finished so far."""
-    with open(os.path.join(out_dir, "gpu_bench.json"), "w") as f:
-        json.dump(res, f, indent=1)
-    lines = [f"# single-device benchmarks on {res['device']} (torch {res['torch']})"]
-    for name, (title, header, fmt) in TABLES.items():
-        if name in res:
-            lines += _table(title, header, res[name], fmt)
-    with open(os.path.join(out_dir, "gpu_bench.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    return lines
+class Report:
+    """``STEM.json`` and ``STEM.md`` in ``out_dir``, rewritten after every section (the GPU check's
+    scripts share it): a section that fails is recorded as a row and the next one runs."""
+
+    def __init__(self, out_dir, stem, title, tables, device):
+        self.out_dir, self.stem, self.title, self.tables = out_dir, stem, title, tables
+        os.makedirs(out_dir, exist_ok=True)
+        name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+        self.res = {"device": name, "torch": torch.__version__}
+        self.failed = 0
+
+    def write(self):
+        with open(os.path.join(self.out_dir, f"{self.stem}.json"), "w") as f:
+            json.dump(self.res, f, indent=1)
+        lines = [f"# {self.title} on {self.res['device']} (torch {self.res['torch']})"]
+        for name, (title, header, fmt) in self.tables.items():
+            if name in self.res:
+                lines += _table(title, header, self.res[name], fmt)
+        with open(os.path.join(self.out_dir, f"{self.stem}.md"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+        return lines
+
+    def run(self, sections):
+        """``sections``: (name, function) pairs, run in order; returns the exit status (1 if any failed)."""
+        for name, fn in sections:
+            try:
+                self.res[name] = fn()
+            except Exception as e:  # noqa: BLE001 - recorded in the results; the next section still runs
+                self.res[name] = [{"skipped": f"failed: {type(e).__name__}: {str(e).strip()[:300]}"}]
+                self.failed += 1
+            print(f"[{self.stem}] {name} done", flush=True)
+            self.write()
+        print("\n".join(self.write()))
+        return 1 if self.failed else 0
 
 
 def main(argv=None):
@@ -188,24 +211,14 @@ def main(argv=None):
     dev = torch.device(a.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     seqs = [256, 512] if a.quick else [4096, 16384, 65536]
-    os.makedirs(a.out, exist_ok=True)
-    res = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__}
-    sections = [
-        ("kernels", lambda: bench_kernels(dev, seqs, dtype)),
-        ("copies", lambda: bench_copies(dev, 2048 if a.quick else 131072, dtype)),
-        ("memory", lambda: bench_memory(dev, [256, 512] if a.quick else [8192, 32768, 65536], a.quick)),
-    ]
-    failed = 0
-    for name, run in sections:  # each section written as it finishes; a failing one does not stop the rest
-        try:
-            res[name] = run()
-        except Exception as e:  # noqa: BLE001 - reported in the results, the next section still runs
-            res[name] = [{"skipped": f"failed: {type(e).__name__}: {str(e).strip()[:300]}"}]
-            failed += 1
-        print(f"[bench_gpu] {name} done", flush=True)
-        write(a.out, res)
-    print("\n".join(write(a.out, res)))
-    return 1 if failed else 0
+    report = Report(a.out, "gpu_bench", "single-device benchmarks", TABLES, dev)
+    return report.run(
+        [
+            ("kernels", lambda: bench_kernels(dev, seqs, dtype)),
+            ("copies", lambda: bench_copies(dev, 2048 if a.quick else 131072, dtype)),
+            ("memory", lambda: bench_memory(dev, [256, 512] if a.quick else [8192, 32768, 65536], a.quick)),
+        ]
+    )
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@
 #   megatron_lm.txt    Megatron-LM's own pretrain_gpt.py through megatron_patches with --ulysses-degree
 #   summary.txt        one screen: each step's status and headline numbers
 set -uo pipefail
+PY=${PYTHON:-python3}  # the Python that holds torch with CUDA
 OUT="${1:?usage: tools/device_check.sh OUT_DIR}"
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
@@ -31,23 +32,23 @@ SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
 note() { echo "$*" | tee -a "$SUMMARY"; }
 
+GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+export ULYSSES_GPU_WORLD=$GPUS
+[ "$GPUS" -ge 1 ] || { note "no CUDA GPU visible to $PY (set PYTHON= to the Python with CUDA torch): nothing to check"; exit 1; }
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} || note "wheels in .whl/ did not install"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
-export ULYSSES_GPU_WORLD=$GPUS
-has() { python3 -c "import $1" >/dev/null 2>&1; }
+has() { "$PY" -c "import $1" >/dev/null 2>&1; }
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  python3 -c "import sys, torch; print('python', sys.version.split()[0], '| torch', torch.__version__, '| cuda', torch.version.cuda, '| gpus', torch.cuda.device_count())"
+  "$PY" -c "import sys, torch; print('python', sys.version.split()[0], '| torch', torch.__version__, '| cuda', torch.version.cuda, '| gpus', torch.cuda.device_count())"
   for m in megatron.core transformer_engine.pytorch flash_attn flash_attn_interface; do
     has "$m" && echo "$m: present" || echo "$m: missing"
   done
 } > "$OUT/env.txt" 2>&1
 note "device check: $GPUS GPU(s); $(grep -c missing "$OUT/env.txt") optional package(s) missing (env.txt)"
-[ "$GPUS" -ge 1 ] || { note "no CUDA GPU: nothing to check"; exit 1; }
 
 step() {  # step NAME SECONDS LOG COMMAND...: run with a timeout, record rc and time, never stop the script
   local name=$1 secs=$2 log=$3 t0=$SECONDS rc
@@ -58,14 +59,14 @@ step() {  # step NAME SECONDS LOG COMMAND...: run with a timeout, record rc and 
   return $rc
 }
 
-step gpu_tests 150 "$OUT/gpu_tests.txt" python3 -m pytest -q -m gpu tests/test_gpu.py -rA -p no:cacheprovider
+step gpu_tests 120 "$OUT/gpu_tests.txt" "$PY" -m pytest -q -m gpu tests/test_gpu.py -rA -p no:cacheprovider
 grep -E "passed|failed" "$OUT/gpu_tests.txt" | tail -n 1 | sed 's/^/             /' | tee -a "$SUMMARY"
 grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.txt" | head -n 8 | sed 's/^/             /' | tee -a "$SUMMARY"
 
-step bench_gpu 75 "$OUT/gpu_bench.log" python3 tools/bench_gpu.py --out "$OUT"
+step bench_gpu 60 "$OUT/gpu_bench.log" "$PY" tools/bench_gpu.py --out "$OUT"
 
 if has megatron.core; then
-  step model 150 "$OUT/gpu_model.log" python3 tools/gpu_model_check.py --out "$OUT"
+  step model 150 "$OUT/gpu_model.log" "$PY" tools/gpu_model_check.py --out "$OUT"
   grep -E "^\| (ulysses|megatron)-" "$OUT/gpu_model.md" 2>/dev/null | sed 's/^/             /' | tee -a "$SUMMARY"
   grep -E "^\| 20 \|" "$OUT/gpu_model.md" 2>/dev/null | sed 's/^/             loss at 20 (GPU | CPU | rel): /' | tee -a "$SUMMARY"
 
@@ -73,16 +74,16 @@ if has megatron.core; then
        --micro-batch-size 1 --global-batch-size "$((GPUS > 1 ? GPUS : 2))" --train-iters 20 --log-interval 5
        --ulysses-degree "$GPUS" --log-dir "$OUT/run")
   if [ "$GPUS" -gt 1 ]; then
-    step pretrain 90 "$OUT/pretrain.txt" python3 -m torch.distributed.run --nproc-per-node "$GPUS" examples/pretrain_gpt.py "${PRE[@]}"
+    step pretrain 60 "$OUT/pretrain.txt" "$PY" -m torch.distributed.run --nproc-per-node "$GPUS" examples/pretrain_gpt.py "${PRE[@]}"
   else
-    step pretrain 90 "$OUT/pretrain.txt" python3 examples/pretrain_gpt.py "${PRE[@]}"
+    step pretrain 60 "$OUT/pretrain.txt" "$PY" examples/pretrain_gpt.py "${PRE[@]}"
   fi
   grep -E "iteration +20/" "$OUT/pretrain.txt" | sed 's/^/             /' | tee -a "$SUMMARY"
 
   MLM="${MEGATRON_LM:-$PWD/.megatron-lm}"
   if [ -f "$MLM/pretrain_gpt.py" ] && has megatron.training; then
-    step megatron_lm 90 "$OUT/megatron_lm.txt" env PYTHONPATH="$MLM:$PYTHONPATH" CUDA_DEVICE_MAX_CONNECTIONS=1 \
-      python3 -m torch.distributed.run --nproc-per-node "$GPUS" -m megatron_patches.launch "$MLM/pretrain_gpt.py" \
+    step megatron_lm 60 "$OUT/megatron_lm.txt" env PYTHONPATH="$MLM:$PYTHONPATH" CUDA_DEVICE_MAX_CONNECTIONS=1 \
+      "$PY" -m torch.distributed.run --nproc-per-node "$GPUS" -m megatron_patches.launch "$MLM/pretrain_gpt.py" \
       --ulysses-degree "$GPUS" --transformer-impl local --no-gradient-accumulation-fusion --no-persist-layer-norm \
       --no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion --no-rope-fusion --bf16 \
       --num-layers 2 --hidden-size 256 --num-attention-heads 8 --seq-length 2048 --max-position-embeddings 2048 \

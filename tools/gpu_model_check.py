@@ -16,7 +16,7 @@ finishes (a failing one is recorded and the next runs; exit 1 if any failed):
 * ``profile``: one step of the Ulysses model under ``torch.profiler`` and a GEMM recorder: fp32
   GEMMs, copy kernels and synchronisations, listed;
 * ``lengths``: tokens/s and peak memory of the Ulysses model per sequence length, doubling until
-  the device runs out of memory.
+  the device runs out of memory (or a minute has passed).
 
 ``--device cpu --quick``: the same code at small sizes (tests/test_tools_gpu_model_check.py), so
 the GPU lease never meets a function that is gone; ``--device cpu --sections losses
@@ -32,6 +32,8 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import torch  # noqa: E402
+
+from tools.bench_gpu import Report  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU_LOSSES = os.path.join(ROOT, "docs", "perf", "gpu_model_cpu_losses.json")
@@ -205,8 +207,8 @@ def section_profile(dev, quick):
 def section_lengths(dev, quick):
     size, vocab = (TINY, 512) if quick else (SPEED, 32768)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    rows, seq = [], 256 if quick else 8192
-    while seq <= (512 if quick else 1 << 20):
+    rows, seq, t0 = [], 256 if quick else 8192, time.perf_counter()
+    while seq <= (512 if quick else 1 << 20) and time.perf_counter() - t0 < 60:  # 60 s for the section
         fresh(dev)
         try:
             model, opt = build(size, dtype, spec_of("ulysses-local"), seq, vocab)
@@ -253,20 +255,6 @@ TABLES = {  # section -> (title, header, row format)
 SECTIONS = {"losses": section_losses, "speed": section_speed, "profile": section_profile, "lengths": section_lengths}
 
 
-def write(out_dir, res):
-    from tools.bench_gpu import _table
-
-    with open(os.path.join(out_dir, "gpu_model.json"), "w") as f:
-        json.dump(res, f, indent=1)
-    lines = [f"# GPTModel with UlyssesAttention on {res['device']} (torch {res['torch']})"]
-    for name, (title, header, fmt) in TABLES.items():
-        if name in res:
-            lines += _table(title, header, res[name], fmt)
-    with open(os.path.join(out_dir, "gpu_model.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    return lines
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
@@ -276,24 +264,15 @@ def main(argv=None):
     p.add_argument("--save-cpu-losses", action="store_true", help=f"write the losses section's losses to {CPU_LOSSES}")
     a = p.parse_args(argv)
     dev = torch.device(a.device)
-    os.makedirs(a.out, exist_ok=True)
     world_of_one(dev)
-    res = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__}
-    failed = 0
-    for name in a.sections.split(","):
-        try:
-            res[name] = SECTIONS[name](dev, a.quick)
-        except Exception as e:  # noqa: BLE001 - recorded; the next section still runs
-            res[name] = [{"skipped": f"failed: {type(e).__name__}: {str(e).strip()[:300]}"}]
-            failed += 1
-        print(f"[gpu_model_check] {name} done", flush=True)
-        write(a.out, res)
-    print("\n".join(write(a.out, res)))
-    if a.save_cpu_losses and dev.type == "cpu" and "loss" in res.get("losses", [{}])[0]:
+    report = Report(a.out, "gpu_model", "GPTModel with UlyssesAttention", TABLES, dev)
+    status = report.run([(name, lambda name=name: SECTIONS[name](dev, a.quick)) for name in a.sections.split(",")])
+    losses = report.res.get("losses", [{}])
+    if a.save_cpu_losses and dev.type == "cpu" and "loss" in losses[0]:
         with open(CPU_LOSSES, "w") as f:
             json.dump({"what": "tools/gpu_model_check.py --device cpu --sections losses", "torch": torch.__version__,
-                       "losses": [r["loss"] for r in res["losses"]]}, f, indent=1)  # fmt: skip
-    return 1 if failed else 0
+                       "losses": [r["loss"] for r in losses]}, f, indent=1)  # fmt: skip
+    return status
 
 
 if __name__ == "__main__":

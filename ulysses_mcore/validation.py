@@ -10,8 +10,9 @@ That exchange costs a collective and host work, so :func:`check_call` runs once 
 *signature* (shapes, dtypes, devices, the options record, groups -- all known on the host
 without a device sync): :class:`ulysses_mcore.call.CallCache` prepares a validated signature
 once and later calls with it validate nothing.  Packed-sequence boundaries (``cu_seqlens``) are
-compared in full, value by value, on the first call of a signature; later batches with the same
-signature are trusted, as Transformer Engine trusts them.  All ranks of a group must change
+compared in full, value by value, on the first call of a signature; later batches -- whatever their
+number of documents: boundaries are not part of a signature, so a new micro-batch costs no
+collective and no host read -- are trusted, as Transformer Engine trusts them.  All ranks of a group must change
 signature together (they run the same model on the same kind of batch).
 """
 
