@@ -91,14 +91,24 @@ def bench_copies(dev, S, dtype):
     return rows
 
 
+def init_world_of_one(dev):
+    """Rendezvous settings for a world of one process: a free local port (an inherited
+    MASTER_PORT may belong to another world)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+
+
 def _world_of_one(dev):
     import torch.distributed as dist
 
     import ulysses_mcore
 
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29611 + os.getpid() % 1000))
+        init_world_of_one(dev)
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=0, world_size=1)
         if dev.type == "cpu":
             from ulysses_mcore.megatron import cpu_compat

@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-from tools.bench_gpu import Report  # noqa: E402
+from tools.bench_gpu import Report, init_world_of_one  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU_LOSSES = os.path.join(ROOT, "docs", "perf", "gpu_model_cpu_losses.json")
@@ -48,8 +48,7 @@ def world_of_one(dev):
 
     if dist.is_initialized():
         return
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29700 + os.getpid() % 1000))
+    init_world_of_one(dev)
     if dev.type == "cpu":
         from ulysses_mcore.megatron import cpu_compat
 
