@@ -183,7 +183,7 @@ def test_loss_lines_equal_without_ulysses(layout):
 
 
 def test_indexed_data_ulysses2_learned_absolute(tmp_path_factory):
-    """Megatron's indexed dataset (.bin/.idx from tools/preprocess_data.py, byte tokens 0-256)
+    """Megatron's indexed dataset (.bin/.idx from ulysses-mcore preprocess, byte tokens 0-256)
     instead of --mock-data; NullTokenizer with --vocab-size 257 covers the ids.  Learned absolute
     positions (Megatron-LM's default; RoPE in the other cases): position_embeddings.weight must
     start the same whatever the context-parallel size."""
@@ -191,7 +191,9 @@ def test_indexed_data_ulysses2_learned_absolute(tmp_path_factory):
     r = subprocess.run(
         [
             sys.executable,
-            os.path.join(ROOT, "tools", "preprocess_data.py"),
+            "-m",
+            "ulysses_mcore",
+            "preprocess",
             "--input",
             os.path.join(ROOT, "ulysses_mcore", "corpus", "kjv_genesis_exodus.jsonl"),
             "--output-prefix",

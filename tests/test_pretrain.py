@@ -309,7 +309,9 @@ def test_plot_training_draws_a_png(runs, tmp_path):
     r = subprocess.run(
         [
             sys.executable,
-            os.path.join(ROOT, "tools", "plot_training.py"),
+            "-m",
+            "ulysses_mcore",
+            "plot",
             os.path.join(runs["u1"][0], "metrics.csv"),
             os.path.join(runs["u2"][0], "metrics.csv"),
             "--label",
@@ -329,8 +331,9 @@ def test_plot_training_draws_a_png(runs, tmp_path):
 
 def test_two_torchrun_agents_as_two_nodes_give_the_same_losses(tmp_path):
     """torchrun's own rendezvous across "nodes": two agents of 2 ranks each on this machine (c10d
-    rendezvous at one endpoint) train exactly as one agent of 4 ranks -- tp 2 x ulysses 2 across
-    the two agents' ranks, the same loss line."""
+    rendezvous at one endpoint), each with its own --log-dir as nodes without a shared folder have,
+    train exactly as one agent of 4 ranks -- tp 2 x ulysses 2 across the two agents' ranks, the same
+    loss line (each node indexes the embedded corpus for its own ranks)."""
     args = COMMON + ["--tensor-model-parallel-size", "2", "--ulysses-degree", "2", "--train-iters", "3"]
     one = tmp_path / "one_agent"
     one.mkdir()
@@ -354,15 +357,20 @@ def test_two_torchrun_agents_as_two_nodes_give_the_same_losses(tmp_path):
         "two-agents",
         SCRIPT,
         *args,
-        "--log-dir",
-        str(two),
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    nodes = [two / f"node{n}" for n in range(2)]
     agents = [
         subprocess.Popen(
-            cmd, cwd=two, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+            cmd + ["--log-dir", str(node)],
+            cwd=two,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
         )
-        for _ in range(2)
+        for node in nodes
     ]
     try:
         outs = [a.communicate(timeout=300)[0] for a in agents]
@@ -372,7 +380,9 @@ def test_two_torchrun_agents_as_two_nodes_give_the_same_losses(tmp_path):
                 a.kill()
     assert all(a.returncode == 0 for a in agents), "\n".join(o[-3000:] for o in outs)
     assert any("parallel axes in force: world 4 = tp 2 x ulysses 2" in o for o in outs), outs
-    want, got = losses(one), losses(two)
+    assert all((node / "data" / "kjv.idx").exists() for node in nodes)  # each node indexed the corpus
+    (logged,) = [node for node in nodes if (node / "metrics.csv").exists()]
+    want, got = losses(one), losses(logged)
     assert sorted(got) == sorted(want) == [1, 2, 3]
     for it in want:
         assert close(got[it], want[it], rtol=1e-6), (it, got[it], want[it])

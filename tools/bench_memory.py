@@ -11,7 +11,7 @@ local spec and runs one forward+backward on one sequence.  Measured per rank, ex
   supposed to divide by P;
 * weights and gradients: parameter and DDP gradient-buffer bytes;
 
-and compared with ``tools/plan.py``'s estimate.  Reports the reduction factor per degree,
+and compared with ``ulysses-mcore plan``'s estimate.  Reports the reduction factor per degree,
 the longest sequence that fits ``--budget-gb`` per degree (from the plan, calibrated by
 the measurement), a markdown table and a PNG plot.
 """
@@ -97,9 +97,8 @@ def main(argv=None):
     p.add_argument("--budget-gb", type=float, default=1.0, help="per-rank budget for the longest-sequence column")
     p.add_argument("--out", default="docs/perf")
     a = p.parse_args(argv)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from _world import run_world
-    from plan import estimate, longest_sequence
+    from ulysses_mcore.planning.memory_model import estimate, longest_sequence
 
     splits = [tuple(int(v) for v in x.split("x")) if "x" in x else (int(x), 1) for x in a.degrees.split(",")]
     degrees = sorted({u for u, c in splits if c == 1})
@@ -169,7 +168,7 @@ def main(argv=None):
             yscale="log",
             xlabel="sequence length",
             ylabel="activation MB per rank",
-            title="activation memory per rank (x: plan.py)",
+            title="activation memory per rank (x: ulysses-mcore plan)",
         )
         ax.grid(alpha=0.3)
         ax.legend()

@@ -110,9 +110,9 @@ def measure(P, S, feature, recompute):
 
 
 def with_plan(rows, budget, degrees):
-    """The plan's peak for every measured point (tools/plan.py, its constants fitted to this
+    """The plan's peak for every measured point (ulysses-mcore plan, its constants fitted to this
     benchmark) and its error; the longest sequence in ``budget`` per rank, from the plan."""
-    from plan import estimate, longest_sequence
+    from ulysses_mcore.planning.memory_model import estimate, longest_sequence
 
     def kw(feature, recompute):
         lc, mc = FEATURES[feature]
@@ -154,7 +154,6 @@ def main(argv=None):
     p.add_argument("--out", default="docs/perf")
     p.add_argument("--from-json", default=None, help="re-render a previous run's JSON (no measuring)")
     a = p.parse_args(argv)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     os.environ.update(MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0", OMP_NUM_THREADS="1")
     degrees = [int(x) for x in a.degrees.split(",")]
     seqs = [int(x) for x in a.seq.split(",")]
@@ -218,10 +217,10 @@ def main(argv=None):
     worst = max(abs(r["plan_error"]) for r in rows)
     lines += [
         "",
-        f"tools/plan.py (constants fitted to these points, runtime {runtime / 1e9:.3f} GB: the interpreter "
+        f"ulysses-mcore plan (constants fitted to these points, runtime {runtime / 1e9:.3f} GB: the interpreter "
         f"and libraries) predicts every measured peak within {100 * worst:.1f}%.",
         "",
-        f"Longest sequence whose whole-step peak fits {a.budget_gb:g} GB per rank (tools/plan.py):",
+        f"Longest sequence whose whole-step peak fits {a.budget_gb:g} GB per rank (ulysses-mcore plan):",
         "",
     ]
     lines += [f"- {k}: {v}" for k, v in fits.items()]

@@ -2,15 +2,15 @@
 # 32 GPUs (4 node(s) x 8): tp 2 x ulysses 4 inside each node x ring cp 4 across the nodes; an 8B
 # Llama-style GPT (32 layers, hidden 4096, 32 q / 8 kv heads, ffn 14336), bf16, full recompute,
 # distributed optimizer.  The all-to-all stays on NVLink; only the ring's k/v blocks cross nodes.
-# Target sequence length 1048576 tokens: tools/plan.py predicts it fits in 70 GB per GPU
-#   python tools/plan.py --num-layers 32 --hidden-size 4096 --num-attention-heads 32 --num-query-groups 8 \
+# Target sequence length 1048576 tokens: ulysses-mcore plan predicts it fits in 70 GB per GPU
+#   ulysses-mcore plan --num-layers 32 --hidden-size 4096 --num-attention-heads 32 --num-query-groups 8 \
 #     --ffn-hidden-size 14336 --swiglu --vocab-size 128256 --bf16 --recompute full --use-distributed-optimizer \
 #     --budget-gb 70 --tp 2 --ulysses 4 --cp 4 --dp 1 --seq-length 1048576
 # (A plan, not a measurement: no multi-node GPU cluster was available.)  The ring is Transformer
 # Engine's p2p context parallelism (--attention-backend te); sdpa runs the portable log-sum-exp ring.
 # Run on every node with NODE_RANK, MASTER_ADDR set; DATA is a Megatron .bin/.idx prefix.
 set -euo pipefail
-DATA=${DATA:?set DATA to an indexed-dataset prefix (tools/preprocess_data.py)}
+DATA=${DATA:?set DATA to an indexed-dataset prefix (ulysses-mcore preprocess)}
 SEQ=${SEQ:-1048576}
 torchrun --nnodes 4 --node-rank ${NODE_RANK:-0} --nproc-per-node 8 \
   --master-addr ${MASTER_ADDR:-127.0.0.1} --master-port ${MASTER_PORT:-29500} \

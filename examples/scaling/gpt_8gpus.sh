@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # 8 GPUs (1 node(s) x 8): tp 2 x ulysses 4 x pp 1 x dp 1; an 8B Llama-style GPT
 # (32 layers, hidden 4096, 32 q / 8 kv heads, ffn 14336), bf16, full recompute, distributed optimizer.
-# Target sequence length 196608 tokens: tools/plan.py predicts it fits in 70 GB per GPU
-#   python tools/plan.py --num-layers 32 --hidden-size 4096 --num-attention-heads 32 --num-query-groups 8 \
+# Target sequence length 196608 tokens: ulysses-mcore plan predicts it fits in 70 GB per GPU
+#   ulysses-mcore plan --num-layers 32 --hidden-size 4096 --num-attention-heads 32 --num-query-groups 8 \
 #     --ffn-hidden-size 14336 --swiglu --vocab-size 128256 --bf16 --recompute full --use-distributed-optimizer \
 #     --budget-gb 70 --tp 2 --ulysses 4 --pp 1 --dp 1
 # (The plan assumes SwiGLU and a 128K vocabulary; this script's GELU MLP and byte-level vocabulary need less.)
 # tp x ulysses = 8 ranks stay inside one node (the default order puts Ulysses right after TP).
 # Run on every node with NODE_RANK, MASTER_ADDR set; DATA is a Megatron .bin/.idx prefix.
 set -euo pipefail
-DATA=${DATA:?set DATA to an indexed-dataset prefix (tools/preprocess_data.py)}
+DATA=${DATA:?set DATA to an indexed-dataset prefix (ulysses-mcore preprocess)}
 SEQ=${SEQ:-196608}
 torchrun --nnodes 1 --node-rank ${NODE_RANK:-0} --nproc-per-node 8 \
   --master-addr ${MASTER_ADDR:-127.0.0.1} --master-port ${MASTER_PORT:-29500} \

@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import os
 import sys
@@ -95,7 +97,7 @@ def check_indexed_dataset(prefix: str) -> int:
     """Raise a clear error for a missing, corrupt or truncated ``.bin/.idx`` pair; return tokens."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    fix = f"re-create it with python tools/preprocess_data.py --input FILE --output-prefix {prefix}"
+    fix = f"re-create it with ulysses-mcore preprocess --input FILE --output-prefix {prefix}"
     for ext in (".bin", ".idx"):
         if not os.path.exists(prefix + ext):
             raise FileNotFoundError(f"--data-path {prefix}: {prefix + ext} is missing; {fix}")
@@ -117,6 +119,20 @@ def check_indexed_dataset(prefix: str) -> int:
             f"--data-path {prefix}: {prefix}.bin is truncated ({have} bytes, the index needs {need}); {fix}"
         )
     return int(np.sum(lengths))
+
+
+@contextlib.contextmanager
+def as_one_process():
+    """Inside, ``torch.distributed`` reports itself uninitialised, so Megatron's dataset builder
+    builds (and saves) its index caches in this process alone, as in a world of one.  For a node's
+    first rank when nodes share no folder (the builder otherwise writes caches on global rank 0
+    only, and the other ranks read them); no collective may run inside."""
+    saved = torch.distributed.is_initialized
+    torch.distributed.is_initialized = lambda: False
+    try:
+        yield
+    finally:
+        torch.distributed.is_initialized = saved
 
 
 def build_gpt_datasets(

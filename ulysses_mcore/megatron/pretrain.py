@@ -185,22 +185,18 @@ class _Data:
         from ulysses_mcore.megatron import data as D
 
         self.args, self.tok = args, D.ByteTokenizer()
-        prefix = args.data_path
-        if prefix is None:  # the embedded corpus, indexed once
-            prefix = os.path.join(corpus_dir(args), "kjv")
-            if dist.get_rank() == 0 and not os.path.exists(prefix + ".idx"):
-                D.write_indexed_dataset(D.read_documents(D.EMBEDDED_CORPUS), prefix, self.tok, progress=False)
-            dist.barrier()
         G = args.global_batch_size
         n_eval = (args.train_iters // args.eval_interval + 1) * args.eval_iters if args.eval_interval else 0
-        train_ds, valid_ds, _ = D.build_gpt_datasets(
-            prefix,
+        build = functools.partial(
+            D.build_gpt_datasets,
             seq_length=args.seq_length,
             seed=args.seed,
             split=args.split,
             samples=[args.train_iters * G, n_eval * G, 0],
             tokenizer=self.tok,
         )
+        prefix = args.data_path or _embedded_corpus(D, args, self.tok, build)
+        train_ds, valid_ds, _ = build(prefix)
         kw = dict(
             global_batch_size=G,
             micro_batch_size=args.micro_batch_size,
@@ -240,6 +236,31 @@ class _Data:
                 f"{n_docs} documents in rank 0's first {len(first)} micro-batches",
                 flush=True,
             )
+
+
+def _embedded_corpus(D, args, tok, build) -> str:
+    """The embedded corpus' indexed dataset and Megatron's index caches, made by each node's first
+    rank in its own --log-dir (nodes need not share a folder); returns its prefix."""
+    prefix = os.path.join(corpus_dir(args), "kjv")
+    if int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0:
+        if not os.path.exists(prefix + ".idx"):
+            _index_embedded_corpus(D, prefix, tok)
+        if dist.get_rank() != 0:  # global rank 0 builds its caches inside the builder's own collective call
+            with D.as_one_process():
+                build(prefix)
+    dist.barrier()
+    return prefix
+
+
+def _index_embedded_corpus(D, prefix: str, tok) -> None:
+    """The embedded corpus as an indexed dataset at ``prefix``, written under a name of this process's
+    and renamed into place (.bin, then .idx): node leaders sharing a folder never see half a file."""
+    import socket
+
+    tmp = f"{prefix}.tmp-{socket.gethostname()}-{os.getpid()}"
+    D.write_indexed_dataset(D.read_documents(D.EMBEDDED_CORPUS), tmp, tok, progress=False)
+    os.replace(tmp + ".bin", prefix + ".bin")
+    os.replace(tmp + ".idx", prefix + ".idx")
 
 
 def _build_model(args):

@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
 """Plan a Ulysses x TP x PP x DP x CP layout before launching a job.
 
-    python tools/topology.py --world-size 64 --gpus-per-node 8 --tp 2 --ulysses 4 --pp 2 \
+    ulysses-mcore topology --world-size 64 --gpus-per-node 8 --tp 2 --ulysses 4 --pp 2 \
         [--num-attention-heads 32 --num-query-groups 8 --seq-length 131072] [--rank 5] [--json]
 
 Prints the rank grid per node, every group of one rank, the per-rank head and token
@@ -13,19 +12,60 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from ulysses_mcore.exchange import HeadPlan  # noqa: E402
-from ulysses_mcore.topology import Topology, TopologyError  # noqa: E402
+from ..exchange import HeadPlan
+from ..topology import Topology, TopologyError
 
 AXIS_SETS = ["tp", "ulysses", "cp", "ulysses-cp", "dp", "pp", "dp-ulysses-cp", "ep", "edp"]
 
 
 def crossing_groups(topo: Topology, axes: str, gpus_per_node: int):
     return [g for g in topo.groups(axes) if len({r // gpus_per_node for r in g}) > 1]
+
+
+def _heads(topo: Topology, args) -> dict:
+    """Query / kv heads per tensor-parallel rank and inside attention (per Ulysses rank when uneven)."""
+    q = args.num_attention_heads // topo.tp
+    kv = (args.num_query_groups or args.num_attention_heads) // topo.tp
+    hp = HeadPlan(q, kv, topo.ulysses)
+    if hp.regular:
+        qa, kva, rep = hp.q_count(0), hp.kv_count(0), hp.kv_replicas
+    else:  # uneven: per-rank counts
+        qa = [hp.q_count(r) for r in range(topo.ulysses)]
+        kva = [hp.kv_count(r) for r in range(topo.ulysses)]
+        rep = "shared at group boundaries"
+    return {
+        "query_heads_per_tp_rank": q,
+        "kv_heads_per_tp_rank": kv,
+        "query_heads_in_attention": qa,
+        "kv_heads_in_attention": kva,
+        "kv_replicas": rep,
+    }
+
+
+def _nodes(topo: Topology, gpus_per_node: int) -> list:
+    """Each node's ranks with their coordinates."""
+    keep = ("tp", "ulysses", "cp", "dp", "pp")
+    return [
+        [
+            {"rank": r, **{k: v for k, v in topo.coords(r).items() if k in keep}}
+            for r in range(n, min(n + gpus_per_node, topo.world_size))
+        ]
+        for n in range(0, topo.world_size, gpus_per_node)
+    ]
+
+
+def _warnings(topo: Topology, gpus_per_node: int) -> list:
+    warnings = []
+    for axes in ("tp", "ulysses"):
+        bad = crossing_groups(topo, axes, gpus_per_node)
+        if bad:
+            warnings.append(
+                f"{len(bad)} {axes} group(s) cross a node boundary (first: {bad[0]}); "
+                f"keep tp x ulysses <= --gpus-per-node {gpus_per_node}"
+            )
+    return warnings
 
 
 def plan(args) -> dict:
@@ -35,22 +75,7 @@ def plan(args) -> dict:
     out = {"topology": topo.describe(), "dp": topo.dp, "order": topo.order}
     if args.num_attention_heads:
         topo.check_model(args.num_attention_heads, args.num_query_groups, args.seq_length)
-        q = args.num_attention_heads // topo.tp
-        kv = (args.num_query_groups or args.num_attention_heads) // topo.tp
-        hp = HeadPlan(q, kv, topo.ulysses)
-        if hp.regular:
-            qa, kva, rep = hp.q_count(0), hp.kv_count(0), hp.kv_replicas
-        else:  # uneven: per-rank counts
-            qa = [hp.q_count(r) for r in range(topo.ulysses)]
-            kva = [hp.kv_count(r) for r in range(topo.ulysses)]
-            rep = "shared at group boundaries"
-        out["heads"] = {
-            "query_heads_per_tp_rank": q,
-            "kv_heads_per_tp_rank": kv,
-            "query_heads_in_attention": qa,
-            "kv_heads_in_attention": kva,
-            "kv_replicas": rep,
-        }
+        out["heads"] = _heads(topo, args)
     if args.seq_length:
         out["tokens"] = {
             "sequence": args.seq_length,
@@ -62,25 +87,8 @@ def plan(args) -> dict:
         a: topo.group_of(a, args.rank) for a in AXIS_SETS if (a not in ("ep", "edp") or topo.ep > 1)
     }
     out["coords_of_rank"] = topo.coords(args.rank)
-    nodes = []
-    for n in range(0, topo.world_size, args.gpus_per_node):
-        ranks = range(n, min(n + args.gpus_per_node, topo.world_size))
-        nodes.append(
-            [
-                {"rank": r, **{k: v for k, v in topo.coords(r).items() if k in ("tp", "ulysses", "cp", "dp", "pp")}}
-                for r in ranks
-            ]
-        )
-    out["nodes"] = nodes
-    warnings = []
-    for axes in ("tp", "ulysses"):
-        bad = crossing_groups(topo, axes, args.gpus_per_node)
-        if bad:
-            warnings.append(
-                f"{len(bad)} {axes} group(s) cross a node boundary (first: {bad[0]}); "
-                f"keep tp x ulysses <= --gpus-per-node {args.gpus_per_node}"
-            )
-    out["warnings"] = warnings
+    out["nodes"] = _nodes(topo, args.gpus_per_node)
+    out["warnings"] = _warnings(topo, args.gpus_per_node)
     return out
 
 

@@ -1,14 +1,13 @@
-#!/usr/bin/env python3
 """3D+SP scaling experiments: measure every layout of a world, fit a step-time model, predict.
 
-    python tools/scaling.py sweep --world 4 --out runs/sweep                 # measure (resumable)
-    python tools/scaling.py fit --out runs/sweep                             # calibrate, held-out error
-    python tools/scaling.py predict --preset h200 --model llama8b --seq-length 131072 --gpus 8,64,512
+    ulysses-mcore sweep --world 4 --out runs/sweep                 # measure (resumable)
+    ulysses-mcore fit --out runs/sweep                             # calibrate, held-out error
+    ulysses-mcore predict --preset h200 --model llama8b --seq-length 131072 --gpus 8,64,512
 
 ``sweep`` enumerates the layouts (``tp x ulysses x cp x pp x dp``) the trainer accepts for the
-model and world (``tools/scaling_model.py``: ``Topology``, head limits, batch split, and
-``--budget-gb`` through ``tools/plan.py``), runs each as a real training run -- the project's
-trainer (``examples/pretrain_gpt.py --timing``) through ``torchrun``, or, with ``--megatron-lm
+model and world (:mod:`ulysses_mcore.planning.step_time`: ``Topology``, head limits, batch split, and
+``--budget-gb`` through the memory model), runs each as a real training run -- the project's
+trainer (``ulysses-mcore pretrain --timing``) through ``torchrun``, or, with ``--megatron-lm
 PATH``, Megatron-LM's ``pretrain_gpt.py`` through ``megatron_patches.launch`` (step time and
 tokens/s only: Megatron-LM has no ``--timing``) -- and records per layout: tokens/s, step time,
 the time in the Ulysses all-to-alls, ring shifts, attention kernel, MLP and optimizer (timers in
@@ -37,10 +36,7 @@ import sys
 import time
 from typing import List
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from ulysses_mcore.megatron.patches import CPU_FLAGS  # noqa: E402
-from tools.scaling_model import (  # noqa: E402
+from ..planning.step_time import (
     MODELS,
     PRESETS,
     Layout,
@@ -126,6 +122,8 @@ def _command(a, run: Run, lay: Layout, log_dir: str):
         str(_free_port()),
     ]
     if a.megatron_lm:
+        from ..megatron.patches import CPU_FLAGS
+
         flags = (
             run.trainer_flags()
             + lay.flags()
@@ -147,7 +145,8 @@ def _command(a, run: Run, lay: Layout, log_dir: str):
                 "1000000",
             ]
         )
-        env_path = os.pathsep.join([a.megatron_lm, ROOT])
+
+        env_path = os.pathsep.join([a.megatron_lm] + [p for p in [os.environ.get("PYTHONPATH")] if p])
         return torchrun + [
             "-m",
             "megatron_patches.launch",
@@ -155,7 +154,7 @@ def _command(a, run: Run, lay: Layout, log_dir: str):
             *flags,
         ], env_path
     flags = run.trainer_flags() + lay.flags() + common + ["--timing", "--log-dir", log_dir]
-    return torchrun + [os.path.join(ROOT, "examples", "pretrain_gpt.py"), *flags], ROOT
+    return torchrun + ["-m", "ulysses_mcore.megatron.pretrain", *flags], os.environ.get("PYTHONPATH", "")
 
 
 def _bar(done: int, total: int, width: int = 20) -> str:
@@ -170,7 +169,7 @@ def run_layout(a, run: Run, lay: Layout, index: int, count: int) -> dict:
     env = dict(os.environ, PYTHONPATH=pythonpath, OMP_NUM_THREADS="1")
     t0, lines = time.time(), []
     with subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT, start_new_session=True
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
     ) as proc:
         for line in proc.stdout:
             lines.append(line)
@@ -392,7 +391,8 @@ def cmd_predict(a) -> int:
         top, n = best_layouts(a.preset, a.model, a.seq_length, gpus, a.global_batch_size or gpus, a.top)
         if not top:
             print(
-                f"{gpus:5d} GPUs: no layout fits {a.model} at {a.seq_length} tokens in {PRESETS[a.preset]['memory_gb']} GB"
+                f"{gpus:5d} GPUs: no layout fits {a.model} at {a.seq_length} tokens in "
+                f"{PRESETS[a.preset]['memory_gb']} GB"
             )
             continue
         for tps, lay, p, mem in top:

@@ -1,9 +1,9 @@
-"""The layouts a world can run, and a step-time model of each (used by ``tools/scaling.py``).
+"""The layouts a world can run, and a step-time model of each (``ulysses-mcore sweep / fit / predict``).
 
 **Layouts.**  :func:`enumerate_layouts` walks every ``tp x ulysses x cp x pp x dp`` of a world
 and keeps the ones the trainer itself accepts (``ulysses_mcore.megatron.arguments.validate``:
 ``Topology``, the head limits, the sequence split, the batch split) and whose step peak fits the
-memory budget (``tools/plan.py``'s estimate); every dropped layout comes back with its reason.
+memory budget (:mod:`ulysses_mcore.planning.memory_model`); every dropped layout comes back with its reason.
 
 **Step time.**  A step of a layout is modelled phase by phase, each phase a count the layout
 implies times a rate (:func:`features`), the rates calibrated on measured steps (:func:`fit`):
@@ -28,15 +28,12 @@ the ring's shifts are waited on before the next block on CPU/gloo).
 from __future__ import annotations
 
 import itertools
-import os
-import sys
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from tools.plan import estimate  # noqa: E402
+from .memory_model import estimate
 
 # --------------------------------------------------------------------------- models
 MODELS = {  # Llama-style, SwiGLU, GQA; "tiny" is what a 2-core CPU world trains in seconds
@@ -178,7 +175,7 @@ def enumerate_layouts(world: int, run: Run, budget_gb: Optional[float] = None) -
         if budget_gb is not None:
             peak = memory_gb(run, lay)
             if peak > budget_gb:
-                dropped[lay.name] = f"step peak {peak:.2f} GB > --budget-gb {budget_gb:g} (tools/plan.py)"
+                dropped[lay.name] = f"step peak {peak:.2f} GB > --budget-gb {budget_gb:g} (ulysses-mcore plan)"
                 continue
         keep.append(lay)
     if not keep:
@@ -192,7 +189,7 @@ def enumerate_layouts(world: int, run: Run, budget_gb: Optional[float] = None) -
 
 
 def _estimate(run: Run, lay: Layout) -> dict:
-    """tools/plan.py's estimate of ``run`` at ``lay``, per rank."""
+    """The memory model's estimate of ``run`` at ``lay``, per rank."""
     return estimate(
         seq_length=run.seq_length,
         micro_batch_size=run.micro_batch_size,

@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
-"""Draw loss and tokens/s from examples/pretrain_gpt.py's metrics.csv into a PNG.
+"""Draw loss and tokens/s from the trainer's metrics.csv (ulysses-mcore pretrain) into a PNG.
 
-python tools/plot_training.py runs/metrics.csv [more.csv ...] --out runs/training.png [--label a --label b]
+ulysses-mcore plot runs/metrics.csv [more.csv ...] --out runs/training.png [--label a --label b]
 """
 
 import argparse
@@ -24,7 +23,11 @@ def main(argv=None):
     p.add_argument("--out", default="training.png")
     p.add_argument("--label", action="append")
     a = p.parse_args(argv)
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        print("error: ulysses-mcore plot needs matplotlib: pip install 'ulysses-mcore[plot]'", file=sys.stderr)
+        return 2
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
 """Text or JSONL -> Megatron's indexed dataset (.bin/.idx), byte-level tokens, no download.
 
-    python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus [--json-keys text]
+    ulysses-mcore preprocess --input corpus.jsonl --output-prefix data/corpus [--json-keys text]
 
 A ``.jsonl``/``.json`` input has one JSON object a line (text under ``--json-keys``); any
 other file is plain text with documents separated by blank lines.  Each document gets an
@@ -11,8 +10,6 @@ end-of-document token.  Shows a progress bar on stderr.
 import argparse
 import os
 import sys
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
 def main(argv=None):

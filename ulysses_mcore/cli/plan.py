@@ -1,0 +1,104 @@
+"""``ulysses-mcore plan``: per-rank memory and all-to-all bytes of a Ulysses GPT, and the longest
+sequence that fits a budget (the model: :mod:`ulysses_mcore.planning.memory`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from ..planning.memory_model import __doc__ as MODEL_DOC
+from ..planning.memory_model import estimate, longest_sequence
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ulysses-mcore plan", description=MODEL_DOC, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--num-layers", type=int, required=True)
+    p.add_argument("--hidden-size", type=int, required=True)
+    p.add_argument("--num-attention-heads", type=int, required=True)
+    p.add_argument("--num-query-groups", type=int)
+    p.add_argument("--ffn-hidden-size", type=int)
+    p.add_argument("--vocab-size", type=int, default=50304)
+    p.add_argument("--seq-length", type=int, default=4096)
+    p.add_argument("--micro-batch-size", type=int, default=1)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--ulysses", type=int, default=1)
+    p.add_argument("--cp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--swiglu", action="store_true")
+    p.add_argument("--recompute", choices=["full"], default=None)
+    p.add_argument(
+        "--torch-adam",
+        action="store_true",
+        help="torch's foreach Adam (CPU, or no TE/Apex): its step's temporaries count (fused Adam's do not)",
+    )
+    p.add_argument("--loss-chunk-tokens", type=int, default=None)
+    p.add_argument("--mlp-chunk-tokens", type=int, default=None)
+    p.add_argument("--use-distributed-optimizer", action="store_true")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel size (for the distributed optimizer)")
+    p.add_argument("--budget-gb", type=float)
+    p.add_argument("--json", action="store_true")
+    return p
+
+
+def _model_keywords(a) -> dict:
+    """The memory model's keywords of the flags (all but the sequence and the degree)."""
+    return dict(
+        num_layers=a.num_layers,
+        hidden_size=a.hidden_size,
+        num_attention_heads=a.num_attention_heads,
+        num_query_groups=a.num_query_groups,
+        ffn_hidden_size=a.ffn_hidden_size,
+        vocab_size=a.vocab_size,
+        micro_batch_size=a.micro_batch_size,
+        tp=a.tp,
+        cp=a.cp,
+        pp=a.pp,
+        bf16=a.bf16,
+        recompute=a.recompute,
+        swiglu=a.swiglu,
+        distributed_optimizer=a.use_distributed_optimizer,
+        dp=a.dp,
+        loss_chunk_tokens=a.loss_chunk_tokens,
+        mlp_chunk_tokens=a.mlp_chunk_tokens,
+        torch_adam=a.torch_adam,
+    )
+
+
+def _print(a, est: dict, out: dict) -> None:
+    gb = 1e9
+    print(f"per rank at seq {a.seq_length}, tp {a.tp} x ulysses {a.ulysses} x cp {a.cp} x pp {a.pp}:")
+    print(
+        f"  weights {est['weights_bytes'] / gb:.2f} GB, grads {est['grads_bytes'] / gb:.2f} GB, "
+        f"Adam {est['optimizer_bytes'] / gb:.2f} GB, activations {est['activations_bytes'] / gb:.2f} GB, "
+        f"logits {est['loss_transient_bytes'] / gb:.2f} GB -> step peak {est['total_bytes'] / gb:.2f} GB"
+    )
+    print(
+        f"  tokens per rank {est['tokens_per_rank']}; all-to-all sent per rank: "
+        f"{est['a2a_bytes_per_layer'] / 1e6:.1f} MB per layer, {est['a2a_bytes_per_step'] / gb:.2f} GB per micro-batch"
+        + (f"; ring shifts {est['ring_bytes_per_layer'] / 1e6:.1f} MB per layer" if a.cp > 1 else "")
+    )
+    if a.budget_gb:
+        print(f"longest sequence in {a.budget_gb} GB per rank:")
+        for u, s in out["longest_sequence"].items():
+            print(f"  ulysses {u:2d}: {s:>10d} tokens" + ("" if s else "  (does not fit)"))
+
+
+def main(argv=None):
+    a = build_parser().parse_args(argv)
+    kw = _model_keywords(a)
+    est = estimate(seq_length=a.seq_length, ulysses=a.ulysses, **kw)
+    out = {"estimate": est}
+    if a.budget_gb:
+        out["longest_sequence"] = {
+            u: longest_sequence(a.budget_gb * 1e9, 2 * u * a.cp, ulysses=u, **kw)
+            for u in (1, 2, 4, 8, 16)
+            if a.num_attention_heads // a.tp % u == 0
+        }
+    if a.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    _print(a, est, out)
+    return 0
