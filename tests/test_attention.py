@@ -249,3 +249,25 @@ def test_uneven_split_and_kv_sharing():
     assert [HeadPlan(7, 7, 4).q_count(r) for r in range(4)] == [2, 2, 2, 1]
     # one plan for both: the regular (even) layouts are the uniform special case
     assert HeadPlan(8, 2, 4).regular and HeadPlan(8, 2, 4).uniform and not HeadPlan(7, 7, 4).uniform
+
+
+def test_release_drops_the_prepared_calls_and_buffers():
+    """ulysses_mcore.release(): the functional API's cache (which holds process groups) is emptied,
+    and this thread's exchange buffers; the next call prepares again and is still exact."""
+    from ulysses_mcore.attention import CALLS
+    from ulysses_mcore.exchange import POOL
+
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(64, 1, 4, 32, generator=g) for _ in range(3))
+
+    def fn(rank, world):
+        shard = [t.chunk(world)[rank] for t in (q, k, v)]
+        return ulysses_mcore.ulysses_attention(*shard, group=dist.group.WORLD, causal=True)
+
+    run_threaded(2, fn)
+    POOL.take((1 << 16,), torch.float32, torch.device("cpu"))  # a buffer of this thread's pool
+    assert len(CALLS.entries) >= 1 and POOL.free_lists
+    ulysses_mcore.release()
+    assert not CALLS.entries and not POOL.free_lists
+    out = torch.cat(run_threaded(2, fn))
+    assert (out.double() - reference_attention(q, k, v, causal=True)).abs().max() < 1e-5

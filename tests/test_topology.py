@@ -139,3 +139,15 @@ def test_model_check_accepts_gqa_replication_and_uneven_heads():
     Topology(8, ulysses=8).check_model(num_attention_heads=32, num_query_groups=2, seq_length=8 * 2 * 64)
     Topology(8, tp=2, ulysses=4).check_model(num_attention_heads=12)  # 6 heads per tp rank over 4: 2, 2, 1, 1
     Topology(8, tp=2, ulysses=2).check_model(num_attention_heads=24, num_query_groups=6)  # 12 q / 3 kv
+
+
+@pytest.mark.parametrize("kw", [dict(world_size=64, tp=2, ulysses=4, pp=2), dict(world_size=16, tp=2, ulysses=2, ep=2)])
+def test_rank_inverts_coords(kw):
+    """``rank(**coords(r)) == r`` for every rank, the expert grid's ep / edp included; a disagreeing
+    expert coordinate is refused."""
+    topo = Topology(kw.pop("world_size"), **kw)
+    assert [topo.rank(**topo.coords(r)) for r in range(topo.world_size)] == list(range(topo.world_size))
+    if topo.ep > 1:
+        c = topo.coords(0)
+        with pytest.raises(TopologyError, match="disagree"):
+            topo.rank(**dict(c, ep=1 - c["ep"]))

@@ -15,6 +15,7 @@ _EXPORTS = {
     "ulysses_attention": "attention",
     "UlyssesAttention": "megatron.module",
     "new_sequence_groups": "attention",
+    "release": "attention",
     "HeadPlan": "exchange",
     "seq_to_head": "exchange",
     "head_to_seq": "exchange",

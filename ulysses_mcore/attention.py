@@ -119,6 +119,24 @@ def ulysses_attention(
     return CALLS.run(query, key, value, opts, group, ring_group, tensors, first_head, check)
 
 
+def release() -> None:
+    """Drop what the package holds between calls in this process: the functional API's prepared
+    calls (and the process groups they reference), Transformer Engine modules cached for it, the
+    exchange's CPU buffers (this thread's) and the host copies of document boundaries.  Call it
+    before ``dist.destroy_process_group()`` so no group outlives its process group (a cached group
+    kept alive past that point can abort the process at exit).  ``UlyssesAttention`` modules hold
+    their own prepared calls: they go with the model."""
+    from .backends import _TE_CACHE
+    from .exchange import POOL
+    from .orders import host_bounds, host_lengths
+
+    CALLS.entries.clear()
+    _TE_CACHE.clear()
+    POOL.clear()
+    for memo in (host_bounds, host_lengths):
+        memo.tensor, memo.version, memo.values = None, -1, ()
+
+
 def new_sequence_groups(ulysses: int, cp: int = 1):
     """``(ulysses_group, ring_group)`` of this rank for the functional API, without Megatron:
     the world cut into Ulysses groups of ``ulysses`` contiguous ranks and ring groups of

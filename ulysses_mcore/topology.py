@@ -208,10 +208,24 @@ class Topology:
         return out
 
     def rank(self, **coords: int) -> int:
-        """Global rank of the given coordinates on tp/ulysses/cp/dp/pp (missing ones are 0)."""
-        bad = [k for k in coords if k not in AXES or k == "ep"]
+        """Global rank of the given coordinates on tp/ulysses/cp/dp/pp (missing ones are 0), so
+        ``rank(**coords(r)) == r``: the expert grid's ``ep`` / ``edp`` (derived, not independent)
+        may be passed too and must agree with the rank the others give."""
+        expert = {k: coords.pop(k) for k in ("ep", "edp") if k in coords}
+        bad = [k for k in coords if k not in AXES]
         if bad:
-            raise TopologyError(f"rank() takes coordinates on {[a for a in AXES if a != 'ep']}, got {bad}")
+            raise TopologyError(
+                f"rank() takes coordinates on {[a for a in AXES if a != 'ep']} (and ep, edp), got {bad}"
+            )
+        r = self._dense_rank(coords)
+        wrong = {k: v for k, v in expert.items() if self.coords(r)[k] != v}
+        if wrong:
+            raise TopologyError(
+                f"{wrong} disagree with rank {r} of {coords}: its expert coordinates are {self.coords(r)}"
+            )
+        return r
+
+    def _dense_rank(self, coords: Dict[str, int]) -> int:
         r, stride = 0, 1
         for a in self.axes:
             s = 1 if a == "ep" else self.size(a)
