@@ -71,3 +71,15 @@ def test_prepared_once_then_reused():
 def test_lse_columns():
     assert lse_columns(torch.float32) == 1 and lse_columns(torch.float64) == 1
     assert lse_columns(torch.bfloat16) == 2 and lse_columns(torch.float16) == 2
+
+
+def test_the_lse_ring_refuses_padded_documents_it_cannot_honour():
+    """Called directly (validation refuses it first), the ring kernel names what it cannot do."""
+    import pytest
+
+    from ulysses_mcore.call import ring_kernel
+
+    kernel = ring_kernel("sdpa", None, "contiguous")
+    q = torch.randn(8, 1, 2, 4)
+    with pytest.raises(ValueError, match="seqlens"):
+        kernel(q, q, q, causal=True, cu_seqlens=torch.tensor([0, 8]), seqlens=torch.tensor([6]))

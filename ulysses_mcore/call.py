@@ -22,7 +22,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from .backends import plain_sdpa_kernel, resolve
+from .backends import plain_sdpa_kernel, resolve, te_attention
 from .exchange import HeadPlan, OutRoute, exchange_out, exchange_qkv, kv_index, pack_lse, qkv_route, seq_dim, unpack_lse
 from .options import AttentionOptions
 from .orders import token_orders
@@ -170,19 +170,21 @@ class PreparedCall:
         self.kw["heads"] = (head0 + self.lo, head0 + self.hi)
         self.kv_index = kv_index(self.plan, rank, q.device) if self.exchange else None
         kv_local = self.hi - self.lo if self.kv_index is not None else self.plan.kv_count(rank)
-        self.kernel = kernel or self._kernel(q, v, opts, ring, ring_group, tensors, kv_local != self.hi - self.lo)
+        if kernel is None:
+            kernel, self.kw = self._kernel(q, v, opts, ring, ring_group, tensors, kv_local != self.hi - self.lo)
+        self.kernel = kernel
         if self.exchange:
             self._routes(q, v, rank, opts)
 
     def _kernel(self, q, v, opts, ring, ring_group, tensors, gqa: bool):
+        """(the kernel, the keywords it is called with)."""
         if ring > 1:
-            return ring_kernel(opts.backend, ring_group, opts.token_order)
+            return ring_kernel(opts.backend, ring_group, opts.token_order), self.kw
         if tensors is NO_TENSORS:  # nothing per call: the plain SDPA call, its keywords bound once
             fast = plain_sdpa_kernel(opts, q, v, gqa, self.layout)
             if fast is not None:
-                self.kw = {}
-                return fast
-        return resolve(opts.backend)
+                return fast, {}
+        return resolve(opts.backend), self.kw
 
     def _routes(self, q, v, rank, opts):
         plan, dv = self.plan, v.shape[3]
@@ -271,8 +273,6 @@ class PreparedCall:
 def ring_kernel(backend, ring_group, token_order: str):
     """The inner kernel when a ring follows the all-to-all: this rank's ring shard in, out."""
     if backend == "te":
-        from .backends import te_attention
-
         return partial(te_attention, ring_group=ring_group)
     from .ring import ring_attention
 
@@ -294,6 +294,12 @@ def ring_kernel(backend, ring_group, token_order: str):
         heads=None,
         max_seqlen=None,  # the ring reads its boundaries once per micro-batch; no bound needed
     ):
+        """``heads`` is informational (the ring has no per-head parameters of its own)."""
+        if seqlens is not None:  # validation refuses it first; a direct caller hears why here
+            raise ValueError(
+                "the log-sum-exp ring takes packed documents without padding between them (cu_seqlens only): "
+                "seqlens (padded documents) cannot run with a ring"
+            )
         return ring_attention(
             q,
             k,

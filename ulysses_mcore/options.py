@@ -9,14 +9,15 @@ functional API pays one dict lookup per call, and the record is itself part of t
 a validated call.  Per-call tensors (masks, bias, document boundaries, sinks) are data, not
 options: they travel beside the record.
 
-Values are stored as given (a bad one is the validator's to report, the same on every rank);
-only a ``window_size`` list becomes a tuple, so the record stays hashable.
+The fields are typed as a valid call has them, but values are stored as given (a bad one is the
+validator's to report, the same on every rank); only a ``window_size`` list becomes a tuple, so
+the record stays hashable.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import Callable, Optional, Tuple, Union
 
 LSE_TILE = 512  # tokens per tile of the log-sum-exp kernel: scores held at once are [b, h, 512, 512]
 VARIANT_OPTIONS = ("window_size", "softmax_offset", "return_lse")
@@ -36,15 +37,15 @@ def options_set(window_size=None, softmax_offset=None, return_lse=False) -> list
 class AttentionOptions:
     """The static choices of one attention call site (see the module docstring)."""
 
-    causal: Any
-    layout: Any = "sbhd"
-    backend: Any = "sdpa"  # "sdpa" | "flash" | "te" | a callable kernel
-    softmax_scale: Any = None
-    dropout_p: Any = 0.0
-    token_order: Any = "contiguous"
-    overlap_chunks: Any = 1
-    window_size: Any = None  # (left, right) or None
-    return_lse: Any = False
+    causal: bool
+    layout: str = "sbhd"  # "sbhd" | "bshd" | "thd"
+    backend: Union[str, Callable] = "sdpa"  # "sdpa" | "flash" | "te" | a callable kernel
+    softmax_scale: Optional[float] = None
+    dropout_p: float = 0.0
+    token_order: str = "contiguous"  # "contiguous" | "load_balanced" | "per_document"
+    overlap_chunks: int = 1
+    window_size: Optional[Tuple[int, int]] = None  # (left, right), -1 unbounded
+    return_lse: bool = False
 
     @property
     def window(self) -> Optional[Tuple[int, int]]:
