@@ -1,9 +1,51 @@
 import os
+import time
 
 import pytest
 import torch
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# every process the suite starts inherits this mark: at the end none of them may still be alive
+SESSION_MARK = f"ULYSSES_MCORE_TEST_SESSION={os.getpid()}"
+os.environ["ULYSSES_MCORE_TEST_SESSION"] = str(os.getpid())
+
+
+def processes_of_this_session():
+    """PIDs (not this one) whose environment carries this session's mark, zombies aside."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else []):
+        if int(pid) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().split(")")[-1].split()[0]
+        except OSError:
+            continue
+        if SESSION_MARK.encode() in env and state != "Z":
+            found.append(int(pid))
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_process_outlives_the_suite():
+    """After the last test: no process the suite started (spawned ranks, torchrun agents, their
+    helpers) is alive -- a rank that dies takes what it started with it."""
+    yield
+    deadline = time.time() + 15
+    while processes_of_this_session() and time.time() < deadline:
+        time.sleep(0.5)
+    left = processes_of_this_session()
+    details = []
+    for pid in left:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+            details.append(f"{pid}: {cmdline[:200]}")
+        except OSError:
+            pass
+    assert not left, "processes started by the suite outlived it:\n" + "\n".join(details)
 
 
 # fixtures that start a spawned world (or a trainer run) for the tests that use them

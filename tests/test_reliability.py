@@ -28,6 +28,22 @@ def launch_env(nproc, args, log_dir, fault, timeout=300):
             os.environ["ULYSSES_MCORE_FAULT"] = old
 
 
+def _processes_in(folder, wait: float = 10.0):
+    """PIDs whose working folder is ``folder`` (a run's processes), after up to ``wait`` seconds."""
+    deadline = time.time() + wait
+    while True:
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if os.readlink(f"/proc/{pid}/cwd") == str(folder):
+                    found.append(int(pid))
+            except OSError:
+                continue
+        if not found or time.time() > deadline:
+            return found
+        time.sleep(0.2)
+
+
 def raw_losses(log_dir):
     import csv
 
@@ -63,6 +79,7 @@ def test_save_killed_half_way_keeps_the_previous_checkpoint_and_resume_continues
         2, SHORT + ["--ulysses-degree", "2", "--save", str(ckpt), "--save-interval", "2"], d, "kill_in_save@4:0"
     )
     assert r.returncode != 0
+    assert not _processes_in(d), "a process of the killed run outlived it (Megatron's writer Manager?)"
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2"
     assert (ckpt / "iter_0000002" / "train_state.pt").exists()
     assert not (ckpt / "iter_0000004").exists() and (ckpt / "iter_0000004.tmp").exists()

@@ -209,11 +209,39 @@ def save_checkpoint(path, iteration, model, optimizer, scheduler, consumed_sampl
         )
 
 
+_WRITER_MANAGER: list = []  # the results Manager handed to Megatron's checkpoint writer (one per process)
+
+
+def writer_helpers_die_with_this_rank() -> None:
+    """Megatron's checkpoint writer collects its workers' results through a ``multiprocessing``
+    Manager -- a spawned server process it starts at the first save and keeps -- which outlives a
+    rank that is killed.  Start that Manager here, with the parent-death signal armed in it, and
+    hand its queue to Megatron (its module-level slot for it), before the first save.  Its forked
+    writers get the signal from :func:`ulysses_mcore.lifetime.children_die_with_this_process`."""
+    import multiprocessing as mp
+    from multiprocessing.managers import SyncManager
+
+    from ..lifetime import children_die_with_this_process, die_with_parent
+
+    children_die_with_this_process()
+    try:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+    except ImportError:
+        return
+    if _WRITER_MANAGER or getattr(fa, "_results_queue", "absent") is not None:
+        return  # made already, or a megatron-core without that slot
+    manager = SyncManager(ctx=mp.get_context("spawn"))
+    manager.start(initializer=die_with_parent)
+    fa._results_queue = manager.Queue()
+    _WRITER_MANAGER.append(manager)
+
+
 def _write_state(tmp, iteration, model, optimizer, scheduler, consumed_samples, args):
     """The sharded model and optimizer (every rank) and the train state (rank 0) into ``tmp``:
     this rank's error, or None (a failed collective is raised: it is not a save failure)."""
     from megatron.core import dist_checkpointing
 
+    writer_helpers_die_with_this_rank()
     try:
         model_sd = model.module.sharded_state_dict()
         dist_checkpointing.save({"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd)}, tmp)

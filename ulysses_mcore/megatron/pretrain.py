@@ -48,7 +48,10 @@ def main(argv=None):
     if args.exit_signal_handler:  # Megatron-LM's: note SIGTERM, act on it at the end of the iteration
         signal.signal(signal.SIGTERM, lambda signum, frame: setattr(run, "signalled", True))
 
+    from ulysses_mcore import lifetime
     from ulysses_mcore.megatron import cpu_compat
+
+    lifetime.children_die_with_this_process()  # a killed rank takes what it forked with it
 
     use_cuda = torch.cuda.is_available()
     if use_cuda:
