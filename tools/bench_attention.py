@@ -87,7 +87,8 @@ def _timed(fn):
     return time.perf_counter() - t0
 
 
-def _worker(rank, world, port, args, queue):
+def _start(rank, world, port, args):
+    """This rank's gloo world and DeepSpeed's distributed state (its shm op, a g++ build of minutes, off)."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
     )
@@ -97,109 +98,106 @@ def _worker(rank, world, port, args, queue):
     warnings.filterwarnings("ignore")
     dist.init_process_group("gloo", rank=rank, world_size=world)
     import deepspeed
-    from deepspeed.sequence.layer import DistributedAttention
-
-    import ulysses_mcore
-
     from deepspeed.accelerator import get_accelerator
 
     shm = get_accelerator().create_op_builder("ShareMemCommBuilder")  # its all-reduce op: not used here,
     if shm is not None:  # and a g++ build of minutes
         deepspeed.ops.__compatible_ops__[shm.NAME] = False
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
-    group = dist.group.WORLD
-    H, D, P = args.heads, args.head_dim, world
-    chunk_list = [int(c) for c in args.chunks.split(",")]
+
+
+def _impl_call(impl, kernel, group, ds):
+    """(q, k, v) -> out of one implementation under test."""
+    import ulysses_mcore
+
+    base = dict(group=group, causal=True, backend=kernel)
+    if impl == "ulysses_mcore":
+        return lambda q, k, v: ulysses_mcore.ulysses_attention(q, k, v, **base)
+    if impl == "ulysses_nocheck":
+        return lambda q, k, v: ulysses_mcore.ulysses_attention(q, k, v, **base, check=False)
+    if impl.startswith("ulysses_c"):
+        chunks = int(impl[len("ulysses_c") :])
+        return lambda q, k, v: ulysses_mcore.ulysses_attention(q, k, v, **base, overlap_chunks=chunks)
+    if impl == "deepspeed":
+        return lambda q, k, v: ds(q, k, v, 1)
+    return lambda q, k, v: allgather_attention(q, k, v, group)
+
+
+def _tasks(kname, kernel, S, P, H, D, args, group, rank):
+    """name -> one timed call: each implementation (fwd+bwd) and the floor's pieces (bare
+    all-to-alls of exactly the exchanged sizes; the local kernel on rank 0); and the exchanged sizes."""
+    from deepspeed.sequence.layer import DistributedAttention
+
+    g = torch.Generator().manual_seed(S)
+    q, k, v, dout = (torch.randn(S // P, 1, H, D, generator=g) for _ in range(4))
+    ds = DistributedAttention(lambda a, b, c: kernel(a, b, c), group, scatter_idx=2, gather_idx=0)
+
+    def run(call):
+        qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
+        call(qs, ks, vs).backward(dout)
+
+    qkv_send = torch.randn(P, S // P, 1, 3 * H // P, D)
+    out_send = torch.randn(P, S // P, 1, H // P, D)
+    rq, ro = torch.empty_like(qkv_send), torch.empty_like(out_send)
+
+    def bare_a2a():
+        for _ in range(2):  # forward and backward
+            dist.all_to_all_single(rq, qkv_send, group=group)
+            dist.all_to_all_single(ro, out_send, group=group)
+
+    gk = torch.Generator().manual_seed(1)
+    kq, kk, kv, kd = (torch.randn(S, 1, H // P, D, generator=gk) for _ in range(4))
+
+    def local_kernel():
+        if rank == 0:
+            a, b, c = (t.clone().requires_grad_() for t in (kq, kk, kv))
+            kernel(a, b, c, causal=True).backward(kd)
+
+    impls = ["ulysses_mcore", "ulysses_nocheck", "deepspeed"] + (["allgather"] if kname == "sdpa" else [])
+    impls += [f"ulysses_c{c}" for c in (int(c) for c in args.chunks.split(",")) if c > 1 and (H // P) % c == 0]
+    tasks = {i: (lambda call=_impl_call(i, kernel, group, ds): run(call)) for i in impls}
+    tasks.update(a2a=bare_a2a, kernel=local_kernel)
+    return tasks, 2 * (P - 1) / P * (qkv_send.numel() + out_send.numel()) * 4
+
+
+def _medians(tasks, args):
+    times = {name: [] for name in tasks}
+    for _ in range(args.warmup):
+        for fn in tasks.values():
+            _timed(fn)
+    for _ in range(args.repeats):
+        for name, fn in tasks.items():
+            times[name].append(_timed(fn))
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
+def _row(kname, S, P, H, D, med, exchanged):
+    row = {"kernel": kname, "seq": S, "world": P, "heads": H, "head_dim": D}
+    row.update({f"{n}_ms": med[n] * 1e3 for n in ("ulysses_mcore", "ulysses_nocheck", "deepspeed", "a2a", "kernel")})
+    row["allgather_ms"] = med.get("allgather", float("nan")) * 1e3
+    row["floor_ms"] = (med["a2a"] + med["kernel"]) * 1e3
+    row["bytes_exchanged_per_rank"] = exchanged
+    row["a2a_bandwidth_GBps"] = exchanged / med["a2a"] / 1e9
+    row["ulysses_bandwidth_GBps"] = exchanged / max(med["ulysses_mcore"] - med["kernel"], 1e-9) / 1e9
+    row["overlap_ms"] = {
+        1: row["ulysses_mcore_ms"],
+        **{int(n[len("ulysses_c") :]): med[n] * 1e3 for n in med if n.startswith("ulysses_c")},
+    }
+    row["ulysses_over_deepspeed"] = row["ulysses_mcore_ms"] / row["deepspeed_ms"]
+    row["ulysses_over_floor"] = row["ulysses_mcore_ms"] / row["floor_ms"]
+    row["deepspeed_over_floor"] = row["deepspeed_ms"] / row["floor_ms"]
+    return row
+
+
+def _worker(rank, world, port, args, queue):
+    _start(rank, world, port, args)
+    group, H, D, P = dist.group.WORLD, args.heads, args.head_dim, world
     results = []
     for kname in args.kernel.split(","):
         kernel = KERNELS[kname]
-        seqs = [int(s) for s in (args.seq if kname == "trivial" else args.sdpa_seq).split(",")]
-        for S in seqs:
-            g = torch.Generator().manual_seed(S)
-            q, k, v, dout = (torch.randn(S // P, 1, H, D, generator=g) for _ in range(4))
-            ds = DistributedAttention(lambda a, b, c: kernel(a, b, c), group, scatter_idx=2, gather_idx=0)
-
-            def run(impl):
-                qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
-                if impl == "ulysses_mcore":
-                    out = ulysses_mcore.ulysses_attention(qs, ks, vs, group=group, causal=True, backend=kernel)
-                elif impl == "ulysses_nocheck":
-                    out = ulysses_mcore.ulysses_attention(
-                        qs, ks, vs, group=group, causal=True, backend=kernel, check=False
-                    )
-                elif impl.startswith("ulysses_c"):
-                    out = ulysses_mcore.ulysses_attention(
-                        qs,
-                        ks,
-                        vs,
-                        group=group,
-                        causal=True,
-                        backend=kernel,
-                        overlap_chunks=int(impl[len("ulysses_c") :]),
-                    )
-                elif impl == "deepspeed":
-                    out = ds(qs, ks, vs, 1)
-                else:
-                    out = allgather_attention(qs, ks, vs, group)
-                out.backward(dout)
-
-            # the floor's pieces: bare all-to-alls of exactly the exchanged sizes, and the local kernel
-            qkv_send = torch.randn(P, S // P, 1, 3 * H // P, D)
-            out_send = torch.randn(P, S // P, 1, H // P, D)
-            rq, ro = torch.empty_like(qkv_send), torch.empty_like(out_send)
-
-            def bare_a2a():
-                for _ in range(2):  # forward and backward
-                    dist.all_to_all_single(rq, qkv_send, group=group)
-                    dist.all_to_all_single(ro, out_send, group=group)
-
-            gk = torch.Generator().manual_seed(1)
-            kq, kk, kv, kd = (torch.randn(S, 1, H // P, D, generator=gk) for _ in range(4))
-
-            def local_kernel():
-                if rank == 0:
-                    a, b, c = (t.clone().requires_grad_() for t in (kq, kk, kv))
-                    kernel(a, b, c, causal=True).backward(kd)
-
-            impls = ["ulysses_mcore", "ulysses_nocheck", "deepspeed"] + (["allgather"] if kname == "sdpa" else [])
-            impls += [f"ulysses_c{c}" for c in chunk_list if c > 1 and (H // P) % c == 0]
-            tasks = {i: (lambda i=i: run(i)) for i in impls}
-            tasks["a2a"] = bare_a2a
-            tasks["kernel"] = local_kernel
-            times = {name: [] for name in tasks}
-            for _ in range(args.warmup):
-                for fn in tasks.values():
-                    _timed(fn)
-            for _ in range(args.repeats):
-                for name, fn in tasks.items():
-                    times[name].append(_timed(fn))
-            med = {name: statistics.median(v) for name, v in times.items()}
-            elem = 4
-            exchanged = 2 * (P - 1) / P * (qkv_send.numel() + out_send.numel()) * elem
-            row = {
-                "kernel": kname,
-                "seq": S,
-                "world": P,
-                "heads": H,
-                "head_dim": D,
-                "ulysses_mcore_ms": med["ulysses_mcore"] * 1e3,
-                "ulysses_nocheck_ms": med["ulysses_nocheck"] * 1e3,
-                "deepspeed_ms": med["deepspeed"] * 1e3,
-                "allgather_ms": med.get("allgather", float("nan")) * 1e3,
-                "a2a_ms": med["a2a"] * 1e3,
-                "kernel_ms": med["kernel"] * 1e3,
-                "floor_ms": (med["a2a"] + med["kernel"]) * 1e3,
-                "bytes_exchanged_per_rank": exchanged,
-                "a2a_bandwidth_GBps": exchanged / med["a2a"] / 1e9,
-                "ulysses_bandwidth_GBps": exchanged / max(med["ulysses_mcore"] - med["kernel"], 1e-9) / 1e9,
-            }
-            row["overlap_ms"] = {
-                1: row["ulysses_mcore_ms"],
-                **{int(n[len("ulysses_c") :]): med[n] * 1e3 for n in med if n.startswith("ulysses_c")},
-            }
-            row["ulysses_over_deepspeed"] = row["ulysses_mcore_ms"] / row["deepspeed_ms"]
-            row["ulysses_over_floor"] = row["ulysses_mcore_ms"] / row["floor_ms"]
-            row["deepspeed_over_floor"] = row["deepspeed_ms"] / row["floor_ms"]
+        for S in (int(s) for s in (args.seq if kname == "trivial" else args.sdpa_seq).split(",")):
+            tasks, exchanged = _tasks(kname, kernel, S, P, H, D, args, group, rank)
+            row = _row(kname, S, P, H, D, _medians(tasks, args), exchanged)
             results.append(row)
             if rank == 0:
                 print(
@@ -214,11 +212,7 @@ def _worker(rank, world, port, args, queue):
     dist.destroy_process_group()
 
 
-def write_outputs(results, out_dir, world, note):
-    os.makedirs(out_dir, exist_ok=True)
-    base = os.path.join(out_dir, f"bench_attention_P{world}")
-    with open(base + ".json", "w") as f:
-        json.dump(results, f, indent=1)
+def _table(results, world, note):
     lines = [
         f"Ulysses attention, gloo on CPU, P = {world}, fp32, {results[0]['heads']} heads of "
         f"{results[0]['head_dim']}, batch 1, causal; forward+backward, median ms. {note}",
@@ -235,54 +229,61 @@ def write_outputs(results, out_dir, world, note):
             f"**{r['ulysses_over_deepspeed']:.2f}** | **{r['ulysses_over_floor']:.2f}** | {r['deepspeed_over_floor']:.2f} | "
             f"{r['bytes_exchanged_per_rank'] / 1e6:.1f} | {r['a2a_bandwidth_GBps']:.2f} |"
         )
-    chunk_keys = sorted({c for r in results for c in r.get("overlap_ms", {})})
-    if len(chunk_keys) > 1:
-        lines += [
-            "",
-            "Overlap (head chunks pipelined with async all-to-alls), fwd+bwd ms and gain vs 1 chunk:",
-            "",
-            "| kernel | seq | " + " | ".join(f"{c} chunk{'s' if c > 1 else ''}" for c in chunk_keys) + " |",
-            "|---|---|" + "---|" * len(chunk_keys),
-        ]
-        for r in results:
-            o = {int(k): v for k, v in r["overlap_ms"].items()}
-            cells = [f"{o[c]:.1f} ({o[1] / o[c]:.2f}x)" if c in o else "-" for c in chunk_keys]
-            lines.append(f"| {r['kernel']} | {r['seq']} | " + " | ".join(cells) + " |")
-    with open(base + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
+    return lines
+
+
+def _overlap_table(results):
+    chunk_keys = sorted({int(c) for r in results for c in r.get("overlap_ms", {})})
+    if len(chunk_keys) <= 1:
+        return []
+    lines = [
+        "",
+        "Overlap (head chunks pipelined with async all-to-alls), fwd+bwd ms and gain vs 1 chunk:",
+        "",
+        "| kernel | seq | " + " | ".join(f"{c} chunk{'s' if c > 1 else ''}" for c in chunk_keys) + " |",
+        "|---|---|" + "---|" * len(chunk_keys),
+    ]
+    for r in results:
+        o = {int(k): v for k, v in r["overlap_ms"].items()}
+        cells = [f"{o[c]:.1f} ({o[1] / o[c]:.2f}x)" if c in o else "-" for c in chunk_keys]
+        lines.append(f"| {r['kernel']} | {r['seq']} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _plot(path, results, world):
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-
-        kernels = sorted({r["kernel"] for r in results})
-        fig, axes = plt.subplots(1, len(kernels), figsize=(6 * len(kernels), 4), squeeze=False)
-        for ax, kname in zip(axes[0], kernels):
-            rows = [r for r in results if r["kernel"] == kname]
-            S = [r["seq"] for r in rows]
-            for key, label in [
-                ("ulysses_mcore_ms", "ulysses_mcore"),
-                ("deepspeed_ms", "DeepSpeed"),
-                ("allgather_ms", "all-gather"),
-                ("floor_ms", "floor"),
-            ]:
-                vals = [r[key] for r in rows]
-                if all(v == v for v in vals):
-                    ax.plot(S, vals, "o-" if key != "floor_ms" else "k--", label=label)
-            ax.set(
-                xscale="log",
-                yscale="log",
-                xlabel="sequence length",
-                ylabel="fwd+bwd ms",
-                title=f"{kname} kernel, P={world} (gloo, CPU)",
-            )
-            ax.grid(alpha=0.3)
-            ax.legend()
-        fig.tight_layout()
-        fig.savefig(base + ".png", dpi=110)
     except ImportError:
-        pass
+        return
+    kernels = sorted({r["kernel"] for r in results})
+    fig, axes = plt.subplots(1, len(kernels), figsize=(6 * len(kernels), 4), squeeze=False)
+    series = [("ulysses_mcore_ms", "ulysses_mcore"), ("deepspeed_ms", "DeepSpeed"), ("allgather_ms", "all-gather")]
+    for ax, kname in zip(axes[0], kernels):
+        rows = [r for r in results if r["kernel"] == kname]
+        S = [r["seq"] for r in rows]
+        for key, label in series + [("floor_ms", "floor")]:
+            vals = [r[key] for r in rows]
+            if all(v == v for v in vals):
+                ax.plot(S, vals, "o-" if key != "floor_ms" else "k--", label=label)
+        ax.set(xscale="log", yscale="log", xlabel="sequence length", ylabel="fwd+bwd ms")
+        ax.set_title(f"{kname} kernel, P={world} (gloo, CPU)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def write_outputs(results, out_dir, world, note):
+    os.makedirs(out_dir, exist_ok=True)
+    base = os.path.join(out_dir, f"bench_attention_P{world}")
+    with open(base + ".json", "w") as f:
+        json.dump(results, f, indent=1)
+    with open(base + ".md", "w") as f:
+        f.write("\n".join(_table(results, world, note) + _overlap_table(results)) + "\n")
+    _plot(base + ".png", results, world)
     return base
 
 
@@ -298,7 +299,7 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--chunks", default="1,2,4", help="overlap chunk counts to measure")
-    p.add_argument("--out", default="docs/perf")
+    p.add_argument("--out", default="runs/bench", help="where the JSON / Markdown / PNG go (docs/perf for the docs)")
     a = p.parse_args(argv)
     from _world import run_world
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Per-rank memory of a GPTModel forward+backward against sequence length, at ulysses 1, 2, 4.
 
-    python tools/bench_memory.py [--degrees 1,2,4,2x2] [--seq 1024,2048,4096,8192] [--out docs/perf]
+    python tools/bench_memory.py [--degrees 1,2,4,2x2] [--seq 1024,2048,4096,8192] [--out docs/perf]   (default runs/bench)
 
 For each degree P (or ``UxC``: Ulysses U x ring cp C, P = U*C), a gloo world of P ranks (dp 1) builds Megatron's GPTModel from the Ulysses
 local spec and runs one forward+backward on one sequence.  Measured per rank, exactly:
@@ -90,24 +90,10 @@ def _worker(rank, world, port, seqs, ring, queue):
     dist.destroy_process_group()
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--degrees", default="1,2,4")
-    p.add_argument("--seq", default="1024,2048,4096,8192")
-    p.add_argument("--budget-gb", type=float, default=1.0, help="per-rank budget for the longest-sequence column")
-    p.add_argument("--out", default="docs/perf")
-    a = p.parse_args(argv)
-    from _world import run_world
-    from ulysses_mcore.planning.memory_model import estimate, longest_sequence
+def _with_plan(rows):
+    """Each row with the plan's activation bytes, its error and the reduction against one rank."""
+    from ulysses_mcore.planning.memory_model import estimate
 
-    splits = [tuple(int(v) for v in x.split("x")) if "x" in x else (int(x), 1) for x in a.degrees.split(",")]
-    degrees = sorted({u for u, c in splits if c == 1})
-    seqs = [int(x) for x in a.seq.split(",")]
-    rows = []
-    for U, C in splits:
-        P = U * C
-        print(f"measuring ulysses {U} x cp {C} ...", file=sys.stderr, flush=True)
-        rows += run_world(P, _worker, seqs, C, what=f"a rank at ulysses {U} x cp {C}")[0]
     base1 = {r["seq"]: r["activations_bytes"] for r in rows if r["degree"] == 1}
     for r in rows:
         est = estimate(seq_length=r["seq"], ulysses=r["ulysses"], cp=r["cp"], vocab_size=VOCAB, **MODEL)
@@ -115,14 +101,10 @@ def main(argv=None):
         r["plan_error"] = r["plan_activations_bytes"] / r["activations_bytes"] - 1
         if r["seq"] in base1:
             r["reduction"] = base1[r["seq"]] / r["activations_bytes"]
-    fits = {}
-    for P in degrees:
-        kw = dict(vocab_size=VOCAB, **MODEL)
-        fits[P] = longest_sequence(a.budget_gb * 1e9, 2 * P, ulysses=P, **kw)
-    os.makedirs(a.out, exist_ok=True)
-    base = os.path.join(a.out, "bench_memory")
-    with open(base + ".json", "w") as f:
-        json.dump({"rows": rows, "longest_sequence": fits, "model": MODEL, "vocab": VOCAB}, f, indent=1)
+    return rows
+
+
+def _markdown(rows, fits, budget_gb):
     lines = [
         f"GPTModel {MODEL}, vocab {VOCAB}, fp32, batch 1, local spec + Ulysses SDPA, gloo on CPU; "
         "per-rank bytes saved for backward (exact, unique storages), weights "
@@ -133,49 +115,70 @@ def main(argv=None):
     ]
     for r in sorted(rows, key=lambda r: (r["seq"], r["degree"], -r["ulysses"])):
         red = r.get("reduction")
+        ratio = f"{red:.2f} | {red / r['degree']:.3f}" if red else "- | -"  # no 1-rank point at this length
         lines.append(
-            f"| {r['seq']} | {r['ulysses']} x {r['cp']} | {r['activations_bytes'] / 1e6:.1f} | "
-            f"{red:.2f} | {red / r['degree']:.3f} | {r['plan_activations_bytes'] / 1e6:.1f} | "
-            f"{100 * r['plan_error']:+.1f}% |"
-            if red
-            else ""
+            f"| {r['seq']} | {r['ulysses']} x {r['cp']} | {r['activations_bytes'] / 1e6:.1f} | {ratio} | "
+            f"{r['plan_activations_bytes'] / 1e6:.1f} | {100 * r['plan_error']:+.1f}% |"
         )
-    lines += [
+    return lines + [
         "",
-        f"Longest sequence in {a.budget_gb} GB per rank (plan: weights + grads + Adam + activations): "
+        f"Longest sequence in {budget_gb} GB per rank (plan: weights + grads + Adam + activations): "
         + ", ".join(f"ulysses {P}: {s}" for P, s in fits.items()),
     ]
-    with open(base + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
+
+
+def _plot(path, rows, splits):
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6.5, 4))
-        for U, C in splits:
-            rs = sorted((r for r in rows if (r["ulysses"], r["cp"]) == (U, C)), key=lambda r: r["seq"])
-            ax.plot(
-                [r["seq"] for r in rs],
-                [r["activations_bytes"] / 1e6 for r in rs],
-                "o-" if C == 1 else "s--",
-                label=f"ulysses {U}" + (f" x cp {C}" if C > 1 else ""),
-            )
-            ax.plot([r["seq"] for r in rs], [r["plan_activations_bytes"] / 1e6 for r in rs], "x:", color="gray")
-        ax.set(
-            xscale="log",
-            yscale="log",
-            xlabel="sequence length",
-            ylabel="activation MB per rank",
-            title="activation memory per rank (x: ulysses-mcore plan)",
-        )
-        ax.grid(alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(base + ".png", dpi=110)
     except ImportError:
-        pass
+        return
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for U, C in splits:
+        rs = sorted((r for r in rows if (r["ulysses"], r["cp"]) == (U, C)), key=lambda r: r["seq"])
+        label = f"ulysses {U}" + (f" x cp {C}" if C > 1 else "")
+        ax.plot(
+            [r["seq"] for r in rs], [r["activations_bytes"] / 1e6 for r in rs], "o-" if C == 1 else "s--", label=label
+        )
+        ax.plot([r["seq"] for r in rs], [r["plan_activations_bytes"] / 1e6 for r in rs], "x:", color="gray")
+    ax.set(xscale="log", yscale="log", xlabel="sequence length", ylabel="activation MB per rank")
+    ax.set_title("activation memory per rank (x: ulysses-mcore plan)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--degrees", default="1,2,4")
+    p.add_argument("--seq", default="1024,2048,4096,8192")
+    p.add_argument("--budget-gb", type=float, default=1.0, help="per-rank budget for the longest-sequence column")
+    p.add_argument("--out", default="runs/bench", help="where the JSON / Markdown / PNG go (docs/perf for the docs)")
+    a = p.parse_args(argv)
+    from _world import run_world
+    from ulysses_mcore.planning.memory_model import longest_sequence
+
+    splits = [tuple(int(v) for v in x.split("x")) if "x" in x else (int(x), 1) for x in a.degrees.split(",")]
+    seqs = [int(x) for x in a.seq.split(",")]
+    rows = []
+    for U, C in splits:
+        print(f"measuring ulysses {U} x cp {C} ...", file=sys.stderr, flush=True)
+        rows += run_world(U * C, _worker, seqs, C, what=f"a rank at ulysses {U} x cp {C}")[0]
+    rows = _with_plan(rows)
+    kw = dict(vocab_size=VOCAB, **MODEL)
+    fits = {
+        P: longest_sequence(a.budget_gb * 1e9, 2 * P, ulysses=P, **kw) for P in sorted({u for u, c in splits if c == 1})
+    }
+    os.makedirs(a.out, exist_ok=True)
+    base = os.path.join(a.out, "bench_memory")
+    with open(base + ".json", "w") as f:
+        json.dump({"rows": rows, "longest_sequence": fits, "model": MODEL, "vocab": VOCAB}, f, indent=1)
+    with open(base + ".md", "w") as f:
+        f.write("\n".join(_markdown(rows, fits, a.budget_gb)) + "\n")
+    _plot(base + ".png", rows, splits)
     print(open(base + ".md").read())
     return 0
 

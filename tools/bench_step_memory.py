@@ -2,7 +2,7 @@
 """Whole-step peak memory per rank: forward, backward and optimizer step, with the chunked
 loss and the tiled MLP off and on, at ulysses 1, 2, 4 (CPU, gloo).
 
-    python tools/bench_step_memory.py [--degrees 1,2,4] [--seq 1024,4096] [--budget-gb 1.5] [--out docs/perf]
+    python tools/bench_step_memory.py [--degrees 1,2,4] [--seq 1024,4096] [--budget-gb 1.5] [--out docs/perf]   (default runs/bench)
 
 How it measures, and why it is honest: every point is a fresh world of P processes.  Each rank
 builds Megatron's GPTModel (Ulysses local spec, a vocabulary of 32768 and ffn = 4 x hidden so
@@ -144,29 +144,27 @@ def with_plan(rows, budget, degrees):
     return runtime, fits
 
 
-def main(argv=None):
+def _parse(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--degrees", default="1,2,4")
     p.add_argument("--seq", default="1024,4096")
     p.add_argument("--features", default="off,both", help="measured at every --seq (and both + full recompute)")
     p.add_argument("--single", default="loss,mlp", help="measured at the longest --seq only (each feature alone)")
     p.add_argument("--budget-gb", type=float, default=1.5)
-    p.add_argument("--out", default="docs/perf")
+    p.add_argument("--out", default="runs/bench", help="where the JSON / Markdown / PNG go (docs/perf for the docs)")
     p.add_argument("--from-json", default=None, help="re-render a previous run's JSON (no measuring)")
-    a = p.parse_args(argv)
-    os.environ.update(MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0", OMP_NUM_THREADS="1")
-    degrees = [int(x) for x in a.degrees.split(",")]
-    seqs = [int(x) for x in a.seq.split(",")]
-    features = a.features.split(",")
+    return p.parse_args(argv)
+
+
+def _points(a, degrees, seqs, features):
+    """(degree, seq, feature, full recompute) of every measurement."""
     points = [(P, S, f, False) for P in degrees for f in features for S in seqs]
     points += [(P, S, "both", True) for P in degrees for S in seqs]  # + full recompute
-    points += [(P, seqs[-1], f, False) for P in degrees for f in a.single.split(",") if f]
-    rows = []
-    if a.from_json:
-        with open(a.from_json) as fh:
-            rows = json.load(fh)["rows"]
-        points = []
-    t0 = time.time()
+    return points + [(P, seqs[-1], f, False) for P in degrees for f in a.single.split(",") if f]
+
+
+def _measure_all(points):
+    rows, t0 = [], time.time()
     for i, (P, S, f, rc) in enumerate(points, 1):
         rows.append(measure(P, S, f, rc))
         r = rows[-1]
@@ -176,24 +174,21 @@ def main(argv=None):
             file=sys.stderr,
             flush=True,
         )
-    budget = a.budget_gb * 1e9
-    runtime, fits = with_plan(rows, budget, degrees)
-    os.makedirs(a.out, exist_ok=True)
-    base = os.path.join(a.out, "bench_step_memory")
-    with open(base + ".json", "w") as fh:
-        json.dump(
-            {
-                "rows": rows,
-                "longest_sequence": fits,
-                "model": MODEL,
-                "vocab": VOCAB,
-                "runtime_bytes": runtime,
-                "chunks": FEATURES,
-                "budget_gb": a.budget_gb,
-            },
-            fh,
-            indent=1,
-        )
+    return rows
+
+
+def _row_line(r, o):
+    """One table row; the ratios to the point without features where it was measured, else '-'."""
+    name = r["feature"] + (" + recompute" if r["recompute"] else "")
+    ratio = (lambda k: f"{r[k] / o[k]:.2f}") if o else (lambda k: "-")
+    return (
+        f"| {r['degree']} | {r['seq']} | {name} | {r['peak'] / 1e9:.3f} | {r['transient'] / 1e9:.3f} | "
+        f"{ratio('transient')} | {r['seconds']:.2f} | {ratio('seconds')} | "
+        f"{r['plan_peak'] / 1e9:.3f} | {100 * r['plan_error']:+.1f}% |"
+    )
+
+
+def _markdown(rows, runtime, fits, budget_gb):
     lines = [
         f"GPTModel {MODEL}, vocab {VOCAB}, fp32, batch 1, Adam, gloo on CPU; per-rank whole-step peak "
         "(VmHWM of a fresh process over one steady-state step) and transient (peak minus the resident set "
@@ -204,67 +199,71 @@ def main(argv=None):
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     off = {(r["degree"], r["seq"]): r for r in rows if r["feature"] == "off" and not r["recompute"]}
-    for r in rows:
-        o = off.get((r["degree"], r["seq"]))
-        name = r["feature"] + (" + recompute" if r["recompute"] else "")
-        lines.append(
-            f"| {r['degree']} | {r['seq']} | {name} | {r['peak'] / 1e9:.3f} | {r['transient'] / 1e9:.3f} | "
-            f"{r['transient'] / o['transient']:.2f} | {r['seconds']:.2f} | {r['seconds'] / o['seconds']:.2f} | "
-            f"{r['plan_peak'] / 1e9:.3f} | {100 * r['plan_error']:+.1f}% |"
-            if o
-            else ""
-        )
+    lines += [_row_line(r, off.get((r["degree"], r["seq"]))) for r in rows]
     worst = max(abs(r["plan_error"]) for r in rows)
     lines += [
         "",
         f"ulysses-mcore plan (constants fitted to these points, runtime {runtime / 1e9:.3f} GB: the interpreter "
         f"and libraries) predicts every measured peak within {100 * worst:.1f}%.",
         "",
-        f"Longest sequence whose whole-step peak fits {a.budget_gb:g} GB per rank (ulysses-mcore plan):",
+        f"Longest sequence whose whole-step peak fits {budget_gb:g} GB per rank (ulysses-mcore plan):",
         "",
     ]
-    lines += [f"- {k}: {v}" for k, v in fits.items()]
-    with open(base + ".md", "w") as fh:
-        fh.write("\n".join(lines) + "\n")
+    return lines + [f"- {k}: {v}" for k, v in fits.items()]
+
+
+def _plot(path, rows, degrees, features, budget_gb):
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        styles = {"off": "o-", "loss": "s--", "mlp": "^--", "both": "D-"}
-        singles = [r for r in rows if r["feature"] not in features and not r["recompute"]]
-        colors = dict(zip(degrees, ["tab:blue", "tab:orange", "tab:green", "tab:red"]))
-        for P in degrees:
-            for f, rc in [(f, False) for f in features] + [("both", True)]:
-                rs = sorted(
-                    (r for r in rows if (r["degree"], r["feature"], r["recompute"]) == (P, f, rc)),
-                    key=lambda r: r["seq"],
-                )
-                ax.plot(
-                    [r["seq"] for r in rs],
-                    [r["peak"] / 1e9 for r in rs],
-                    ":" if rc else styles[f],
-                    color=colors[P],
-                    label=f"U{P} {f}{' +rc' if rc else ''}",
-                    alpha=0.9,
-                )
-        for r in singles:
-            ax.plot([r["seq"]], [r["peak"] / 1e9], styles[r["feature"]][0], color=colors[r["degree"]], mfc="none")
-        ax.axhline(a.budget_gb, color="gray", lw=0.8)
-        ax.set(
-            xscale="log",
-            xlabel="sequence length",
-            ylabel="whole-step peak GB per rank",
-            title="whole-step peak memory per rank (open markers: one feature alone)",
-        )
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, ncol=3)
-        fig.tight_layout()
-        fig.savefig(base + ".png", dpi=110)
     except ImportError:
-        pass
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    styles = {"off": "o-", "loss": "s--", "mlp": "^--", "both": "D-"}
+    colors = dict(zip(degrees, ["tab:blue", "tab:orange", "tab:green", "tab:red"]))
+    for P in degrees:
+        for f, rc in [(f, False) for f in features] + [("both", True)]:
+            rs = sorted(
+                (r for r in rows if (r["degree"], r["feature"], r["recompute"]) == (P, f, rc)), key=lambda r: r["seq"]
+            )
+            style = ":" if rc else styles[f]
+            label = f"U{P} {f}{' +rc' if rc else ''}"
+            ax.plot(
+                [r["seq"] for r in rs], [r["peak"] / 1e9 for r in rs], style, color=colors[P], label=label, alpha=0.9
+            )
+    for r in (r for r in rows if r["feature"] not in features and not r["recompute"]):
+        ax.plot([r["seq"]], [r["peak"] / 1e9], styles[r["feature"]][0], color=colors[r["degree"]], mfc="none")
+    ax.axhline(budget_gb, color="gray", lw=0.8)
+    ax.set(xscale="log", xlabel="sequence length", ylabel="whole-step peak GB per rank")
+    ax.set_title("whole-step peak memory per rank (open markers: one feature alone)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    a = _parse(argv)
+    os.environ.update(MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0", OMP_NUM_THREADS="1")
+    degrees = [int(x) for x in a.degrees.split(",")]
+    seqs = [int(x) for x in a.seq.split(",")]
+    features = a.features.split(",")
+    if a.from_json:
+        with open(a.from_json) as fh:
+            rows = json.load(fh)["rows"]
+    else:
+        rows = _measure_all(_points(a, degrees, seqs, features))
+    runtime, fits = with_plan(rows, a.budget_gb * 1e9, degrees)
+    os.makedirs(a.out, exist_ok=True)
+    base = os.path.join(a.out, "bench_step_memory")
+    record = dict(rows=rows, longest_sequence=fits, model=MODEL, vocab=VOCAB, runtime_bytes=runtime)
+    with open(base + ".json", "w") as fh:
+        json.dump(dict(record, chunks=FEATURES, budget_gb=a.budget_gb), fh, indent=1)
+    with open(base + ".md", "w") as fh:
+        fh.write("\n".join(_markdown(rows, runtime, fits, a.budget_gb)) + "\n")
+    _plot(base + ".png", rows, degrees, features, a.budget_gb)
     print(open(base + ".md").read())
     return 0
 

@@ -152,6 +152,60 @@ def error_of(name, S=1024, P=2):
     return max(errs)
 
 
+def _memory(name, S):
+    """Peak working memory and time of one variant at ``S`` tokens, in a fresh process (None: skipped)."""
+    if name == "window as [s, s] mask" and S > 16384:
+        return None  # the [s, s] mask and its float scores: several GB, skipped
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", name, str(S)],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    if out.returncode:
+        raise SystemExit(f"{name} at s={S} failed:\n{out.stderr[-2000:]}")
+    mem = json.loads(out.stdout.strip().splitlines()[-1])
+    print(
+        f"[bench_variants] {name:>24} s={S:>6}: peak {mem['peak_mb']:8.1f} MB, {mem['seconds']:.2f} s fwd+bwd",
+        flush=True,
+    )
+    return mem
+
+
+def _table(rows, seqs):
+    lines = [
+        "\n| variant | max rel error (s=1024, ulysses 2, fwd+bwd) | "
+        + " | ".join(f"peak MB / s fwd+bwd at s={S}" for S in seqs)
+        + " |",
+        "|---|---|" + "---|" * len(seqs),
+    ]
+    for r in rows:
+        m = r["memory"]
+        cells = ["--" if m[S] is None else f"{m[S]['peak_mb']:.0f} / {m[S]['seconds']:.1f}" for S in seqs]
+        lines.append(f"| {r['variant']} | {r['max_rel_err_s1024_u2']:.1e} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _plot(path, rows, seqs):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in rows:
+        xs = [S for S in seqs if r["memory"][S] is not None]
+        ax.plot(xs, [r["memory"][S]["peak_mb"] for S in xs], marker="o", label=r["variant"])
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequence length (tokens on this rank after the all-to-all)")
+    ax.set_ylabel("peak working memory, fwd + bwd (MB)")
+    ax.set_title(f"Attention variants, {HEADS} heads x {DIM} per rank (CPU, fp32)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seqs", type=int, nargs="+", default=[4096, 16384, 32768])
@@ -165,60 +219,14 @@ def main():
     rows = []
     for name in VARIANTS:
         err = error_of(name)
-        mem = {}
-        for S in a.seqs:
-            if name == "window as [s, s] mask" and S > 16384:
-                mem[S] = None  # the [s, s] mask and its float scores: several GB, skipped
-                continue
-            out = subprocess.run(
-                [sys.executable, __file__, "--child", name, str(S)],
-                capture_output=True,
-                text=True,
-                env=dict(os.environ, OMP_NUM_THREADS="1"),
-            )
-            if out.returncode:
-                raise SystemExit(f"{name} at s={S} failed:\n{out.stderr[-2000:]}")
-            mem[S] = json.loads(out.stdout.strip().splitlines()[-1])
-            print(
-                f"[bench_variants] {name:>24} s={S:>6}: peak {mem[S]['peak_mb']:8.1f} MB, "
-                f"{mem[S]['seconds']:.2f} s fwd+bwd",
-                flush=True,
-            )
-        rows.append({"variant": name, "max_rel_err_s1024_u2": err, "memory": mem})
+        rows.append({"variant": name, "max_rel_err_s1024_u2": err, "memory": {S: _memory(name, S) for S in a.seqs}})
         print(f"[bench_variants] {name:>24}: max rel error vs float64 (s=1024, ulysses 2) {err:.1e}", flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"heads_per_rank": HEADS, "head_dim": DIM, "window": WINDOW, "rows": rows}, f, indent=1)
-    print(
-        "\n| variant | max rel error (s=1024, ulysses 2, fwd+bwd) | "
-        + " | ".join(f"peak MB / s fwd+bwd at s={S}" for S in a.seqs)
-        + " |"
-    )
-    print("|---|---|" + "---|" * len(a.seqs))
-    for r in rows:
-        cells = [
-            ("--" if r["memory"][S] is None else f"{r['memory'][S]['peak_mb']:.0f} / {r['memory'][S]['seconds']:.1f}")
-            for S in a.seqs
-        ]
-        print(f"| {r['variant']} | {r['max_rel_err_s1024_u2']:.1e} | " + " | ".join(cells) + " |")
+    print("\n".join(_table(rows, a.seqs)))
     if a.plot:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for r in rows:
-            xs = [S for S in a.seqs if r["memory"][S] is not None]
-            ax.plot(xs, [r["memory"][S]["peak_mb"] for S in xs], marker="o", label=r["variant"])
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("sequence length (tokens on this rank after the all-to-all)")
-        ax.set_ylabel("peak working memory, fwd + bwd (MB)")
-        ax.set_title(f"Attention variants, {HEADS} heads x {DIM} per rank (CPU, fp32)")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(a.plot, dpi=120)
+        _plot(a.plot, rows, a.seqs)
 
 
 if __name__ == "__main__":
