@@ -45,6 +45,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
 @pytest.mark.parametrize("kind", ["fork", "spawned-manager"])
 def test_a_killed_parent_takes_its_helpers_with_it(tmp_path, kind):
