@@ -10,6 +10,17 @@ SESSION_MARK = f"ULYSSES_MCORE_TEST_SESSION={os.getpid()}"
 os.environ["ULYSSES_MCORE_TEST_SESSION"] = str(os.getpid())
 
 
+def _own_helper(pid: int, ppid: int) -> bool:
+    """multiprocessing's resource tracker of this very process: it ends when this process does."""
+    if ppid != os.getpid():
+        return False
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"multiprocessing.resource_tracker" in f.read()
+    except OSError:
+        return False
+
+
 def processes_of_this_session():
     """PIDs (not this one) whose environment carries this session's mark, zombies aside."""
     found = []
@@ -20,10 +31,10 @@ def processes_of_this_session():
             with open(f"/proc/{pid}/environ", "rb") as f:
                 env = f.read().split(b"\0")
             with open(f"/proc/{pid}/stat") as f:
-                state = f.read().split(")")[-1].split()[0]
+                state, ppid = f.read().split(")")[-1].split()[:2]
         except OSError:
             continue
-        if SESSION_MARK.encode() in env and state != "Z":
+        if SESSION_MARK.encode() in env and state != "Z" and not _own_helper(int(pid), int(ppid)):
             found.append(int(pid))
     return found
 
