@@ -72,3 +72,17 @@ def test_predict_cli_prints_the_best_layouts():
     )
     assert r.returncode == 0, r.stderr
     assert "    8 GPUs" in r.stdout and "   64 GPUs" in r.stdout and "tokens/s/GPU" in r.stdout
+
+
+def test_megatron_lm_sweeps_skip_rings_with_the_reason():
+    """Megatron-LM's script cannot run a ring without TE (a CPU sweep): those layouts are dropped with
+    the reason instead of failing the sweep; on a GPU they stay."""
+    from ulysses_mcore.planning.step_time import enumerate_layouts
+
+    layouts, _ = enumerate_layouts(4, Run("tiny", 512, 1, 4))
+    assert any(lay.cp > 1 for lay in layouts)
+    dropped = {}
+    kept = scaling.runnable_by_megatron_lm(layouts, dropped, on_gpu=False)
+    assert kept and all(lay.cp == 1 for lay in kept) and len(kept) + len(dropped) == len(layouts)
+    assert all("TEDotProductAttention" in why for why in dropped.values())
+    assert scaling.runnable_by_megatron_lm(layouts, {}, on_gpu=True) == layouts

@@ -234,12 +234,33 @@ def _phases(log_dir: str, warmup: int) -> dict:
 
 
 # --------------------------------------------------------------------------- commands
+MEGATRON_LM_RING = (
+    "Megatron-LM's pretrain_gpt.py runs a ring (context parallelism beyond Ulysses) only with Transformer "
+    "Engine's attention ('Context parallelism is only supported by TEDotProductAttention!'), which needs a GPU"
+)
+
+
+def runnable_by_megatron_lm(layouts, dropped: dict, on_gpu: bool):
+    """The layouts Megatron-LM's own script can run here; the others go to ``dropped`` with the reason."""
+    keep = []
+    for lay in layouts:
+        if lay.cp > 1 and not on_gpu:
+            dropped[lay.name] = MEGATRON_LM_RING
+        else:
+            keep.append(lay)
+    return keep
+
+
 def cmd_sweep(a) -> int:
     run = Run(a.model, a.seq_length, a.micro_batch_size, a.global_batch_size)
     try:
         layouts, dropped = enumerate_layouts(a.world, run, a.budget_gb)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
+    if a.megatron_lm:  # skipped with the reason, not a failed sweep
+        import torch
+
+        layouts = runnable_by_megatron_lm(layouts, dropped, torch.cuda.is_available())
     if a.layouts:
         wanted = [Layout.parse(n) for n in a.layouts.split(",")]
         bad = [w.name for w in wanted if w not in layouts]
