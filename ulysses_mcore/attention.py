@@ -133,8 +133,8 @@ def release() -> None:
     CALLS.entries.clear()
     _TE_CACHE.clear()
     POOL.clear()
-    for memo in (host_bounds, host_lengths):
-        memo.tensor, memo.version, memo.values = None, -1, ()
+    host_bounds.clear()
+    host_lengths.clear()
 
 
 def new_sequence_groups(ulysses: int, cp: int = 1):

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from .options import LSE_TILE, VARIANT_OPTIONS, AttentionOptions, has_window, options_set
-from .orders import host_bounds, host_lengths
+from .orders import document_ids, host_bounds, host_lengths
 from .ring import ring_attention
 
 BUILTIN_BACKENDS = ("sdpa", "flash", "te")
@@ -247,8 +247,6 @@ def interleaved_boundaries(cu_seqlens: torch.Tensor, seqlens: torch.Tensor) -> t
 
 def real_token_rows(cu_seqlens: torch.Tensor, seqlens: torch.Tensor, total: int) -> torch.Tensor:
     """``[total]`` bool: which positions of the padded stream are real tokens (device-side)."""
-    from .orders import document_ids
-
     cu = cu_seqlens.to(torch.int64)
     doc = document_ids(cu, total)
     lens = seqlens.to(device=cu.device, dtype=torch.int64)
@@ -260,7 +258,8 @@ def _varlen_args(cu_seqlens, device, max_seqlen=None):
     from the caller (Megatron's ``PackedSeqParams.max_seqlen_q``, a bound is enough), else read
     off the boundaries (a device-to-host sync on a GPU)."""
     if max_seqlen is None:
-        max_seqlen = max(b - a for a, b in zip(host_bounds(cu_seqlens)[:-1], host_bounds(cu_seqlens)[1:]))
+        bounds = host_bounds(cu_seqlens)
+        max_seqlen = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
     return cu_seqlens.to(device=device, dtype=torch.int32), int(max_seqlen)
 
 
@@ -401,7 +400,6 @@ class TEAttention(torch.nn.Module):
             softmax_scale=softmax_scale,
             **kw,
         )
-        self.ring_group = ring_group
         if ring_group is not None:
             import torch.distributed as dist
 

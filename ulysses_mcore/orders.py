@@ -41,27 +41,34 @@ def document_ids(cu_seqlens: torch.Tensor, total: int, device=None) -> torch.Ten
     return torch.bucketize(torch.arange(total, device=device), cu[1:], right=True)
 
 
-class HostValues(threading.local):
-    """The last integer tensor read on the host, kept with the tensor (and its version) it was read
-    from: every layer of a micro-batch passes the same ``cu_seqlens`` tensor, so the kernels that
-    need document boundaries on the host (the ``sdpa`` per-document loop on the CPU, the ring's
-    block skipping) read them once per micro-batch, not once per layer.  Per thread (ranks of a
+class LastOf(threading.local):
+    """``fn`` of the last tensor it was given, kept with that tensor (and its version): every layer of
+    a micro-batch passes the same ``cu_seqlens`` tensor, so what is derived from it -- its values on
+    the host (the ``sdpa`` per-document loop on the CPU, the ring's block skipping), the document
+    lengths -- is computed once per micro-batch, not once per layer.  Per thread (ranks of a
     threaded world share the module)."""
 
-    def __init__(self):
+    def __init__(self, fn: Callable[[torch.Tensor], object]):
+        self.fn = fn
+        self.clear()
+
+    def clear(self) -> None:
         self.tensor: Optional[torch.Tensor] = None
-        self.version = -1
-        self.values: Tuple[int, ...] = ()
+        self.version, self.value = -1, None
 
-    def __call__(self, t: torch.Tensor) -> Tuple[int, ...]:
+    def __call__(self, t: torch.Tensor):
         if t is not self.tensor or t._version != self.version:
-            self.values = tuple(t.tolist())  # one read per micro-batch (a sync for a GPU tensor)
+            self.value = self.fn(t)
             self.tensor, self.version = t, t._version
-        return self.values
+        return self.value
 
 
-host_bounds = HostValues()  # cu_seqlens
-host_lengths = HostValues()  # real document lengths inside padded slots
+def _host_values(t: torch.Tensor) -> Tuple[int, ...]:
+    return tuple(t.tolist())  # one read per micro-batch (a sync for a GPU tensor)
+
+
+host_bounds = LastOf(_host_values)  # cu_seqlens on the host
+host_lengths = LastOf(_host_values)  # real document lengths inside padded slots, on the host
 
 
 def per_document_order(cu_seqlens: torch.Tensor, degree: int, total: Optional[int] = None) -> torch.Tensor:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import threading
 from typing import Optional, Union
 
 import torch
@@ -27,6 +26,7 @@ from ..call import NO_TENSORS, CallCache, CallTensors
 from ..backends import Kernel
 from ..exchange import head_layout_error
 from ..options import attention_options
+from ..orders import LastOf
 
 
 def _size(group) -> int:
@@ -74,16 +74,9 @@ def _host_int(value) -> Optional[int]:
     return None
 
 
-_LAST_LENGTHS = threading.local()  # .of = (cu_seqlens_q, its version, its lengths): one micro-batch's
-
-
-def _lengths(cu: torch.Tensor) -> torch.Tensor:
-    """Document lengths of ``cu_seqlens_q``, one tensor per micro-batch shared by every layer (so a
-    kernel that reads them on the host reads them once per micro-batch)."""
-    last = getattr(_LAST_LENGTHS, "of", None)
-    if last is None or last[0] is not cu or last[1] != cu._version:
-        last = _LAST_LENGTHS.of = (cu, cu._version, cu[1:] - cu[:-1])
-    return last[2]
+# document lengths of cu_seqlens_q, one tensor per micro-batch shared by every layer (so a kernel
+# that reads them on the host reads them once per micro-batch)
+_lengths = LastOf(lambda cu: cu[1:] - cu[:-1])
 
 
 def _tp_size_and_rank(tp_group):
