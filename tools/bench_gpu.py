@@ -91,42 +91,42 @@ def bench_copies(dev, S, dtype):
     return rows
 
 
-def init_world_of_one(dev):
-    """Rendezvous settings for a world of one process: a free local port (an inherited
-    MASTER_PORT may belong to another world)."""
+def world_of_one(dev, seed: int) -> None:
+    """This process as a world of one (NCCL on CUDA, gloo and the CPU shims on the CPU) with the
+    package's groups, on a free local port (an inherited MASTER_PORT may belong to another world);
+    on CUDA, Megatron's model-parallel RNG seeded with ``seed``.  Nothing if already initialised."""
     import socket
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
-
-
-def _world_of_one(dev):
     import torch.distributed as dist
 
     import ulysses_mcore
 
-    if not dist.is_initialized():
-        init_world_of_one(dev)
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=0, world_size=1)
-        if dev.type == "cpu":
-            from ulysses_mcore.megatron import cpu_compat
+    if dist.is_initialized():
+        return
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+    if dev.type == "cpu":
+        from ulysses_mcore.megatron import cpu_compat
 
-            cpu_compat.apply()
-        ulysses_mcore.initialize(verbose=False)
+        cpu_compat.apply()
+    else:
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=0, world_size=1)
+    ulysses_mcore.initialize(verbose=False)
+    if dev.type == "cuda":
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
 def bench_memory(dev, seqs, quick=False):
     """Peak memory of a GPTModel forward+backward per sequence length (degree 1)."""
-    from megatron.core import tensor_parallel
-
     from ulysses_mcore.megatron import training
     from ulysses_mcore.megatron.batch import make_lm_batch
 
-    _world_of_one(dev)
-    if dev.type == "cuda":
-        tensor_parallel.model_parallel_cuda_manual_seed(0)
+    world_of_one(dev, seed=0)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     size = dict(num_layers=2, hidden_size=128, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=256)
     if not quick:

@@ -33,34 +33,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-from tools.bench_gpu import Report, init_world_of_one  # noqa: E402
+from tools.bench_gpu import Report, world_of_one  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU_LOSSES = os.path.join(ROOT, "docs", "perf", "gpu_model_cpu_losses.json")
 TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=256)
 SPEED = dict(num_layers=8, hidden_size=2048, num_attention_heads=16, num_query_groups=8, ffn_hidden_size=8192)
-
-
-def world_of_one(dev):
-    import torch.distributed as dist
-
-    import ulysses_mcore
-
-    if dist.is_initialized():
-        return
-    init_world_of_one(dev)
-    if dev.type == "cpu":
-        from ulysses_mcore.megatron import cpu_compat
-
-        cpu_compat.apply()
-    else:
-        torch.cuda.set_device(0)
-    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=0, world_size=1)
-    ulysses_mcore.initialize(verbose=False)
-    if dev.type == "cuda":
-        from megatron.core import tensor_parallel
-
-        tensor_parallel.model_parallel_cuda_manual_seed(1234)
 
 
 def build(size, dtype, spec, seq, vocab, seed=1234):
@@ -263,7 +241,7 @@ def main(argv=None):
     p.add_argument("--save-cpu-losses", action="store_true", help=f"write the losses section's losses to {CPU_LOSSES}")
     a = p.parse_args(argv)
     dev = torch.device(a.device)
-    world_of_one(dev)
+    world_of_one(dev, seed=1234)
     report = Report(a.out, "gpu_model", "GPTModel with UlyssesAttention", TABLES, dev)
     status = report.run([(name, lambda name=name: SECTIONS[name](dev, a.quick)) for name in a.sections.split(",")])
     losses = report.res.get("losses", [{}])
