@@ -24,6 +24,19 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--ulysses-degree", type=int, default=1)
     g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument(
+        "--dynamic-ulysses",
+        action="store_true",
+        help="a Ulysses degree per document (powers of two up to --ulysses-degree), placed per global batch "
+        "by the cost model; needs --reset-attention-mask (docs/dynamic.md)",
+    )
+    g.add_argument(
+        "--dynamic-bucket",
+        type=int,
+        default=None,
+        help="--dynamic-ulysses: a cell's tokens per rank rounded up to a multiple of this (few shapes a run); "
+        "default: the per-rank load / 16",
+    )
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument(
@@ -291,6 +304,53 @@ def check_ranges(args) -> None:
 
 # (the flags break this rule, the message naming them and the fix): checked in order, the first raises
 _CONSISTENCY = (
+    (
+        lambda a, t: a.dynamic_ulysses and not a.reset_attention_mask,
+        lambda a, t: (
+            "--dynamic-ulysses places documents: it needs --reset-attention-mask (documents split at EOD, "
+            "each attending only to itself)"
+        ),
+    ),
+    (
+        lambda a, t: a.dynamic_ulysses and (a.pipeline_model_parallel_size > 1 or a.context_parallel_size > 1),
+        lambda a, t: (
+            f"--dynamic-ulysses runs with --pipeline-model-parallel-size 1 and --context-parallel-size 1, "
+            f"not {a.pipeline_model_parallel_size} and {a.context_parallel_size}: a slot's group changes per "
+            "micro-batch, which Megatron's pipeline schedules and the ring's fixed group do not take; "
+            "drop --dynamic-ulysses for these layouts"
+        ),
+    ),
+    (
+        lambda a, t: a.dynamic_ulysses and (a.ulysses_degree & (a.ulysses_degree - 1)),
+        lambda a, t: (
+            f"--dynamic-ulysses needs --ulysses-degree a power of two (its groups halve), not {a.ulysses_degree}"
+        ),
+    ),
+    (
+        lambda a, t: (
+            a.dynamic_ulysses
+            and (
+                a.attention_backend == "te"
+                or a.attention_backend == "auto"
+                and a.transformer_impl == "transformer_engine"
+            )
+        ),
+        lambda a, t: (
+            "--dynamic-ulysses runs --attention-backend sdpa or flash: Transformer Engine's attention is a "
+            "child module built for one degree (pass --attention-backend sdpa or flash)"
+        ),
+    ),
+    (
+        lambda a, t: a.dynamic_ulysses and (a.micro_batch_size * a.seq_length) % a.ulysses_degree,
+        lambda a, t: (
+            f"--dynamic-ulysses: --micro-batch-size {a.micro_batch_size} x --seq-length {a.seq_length} must be "
+            f"divisible by --ulysses-degree {a.ulysses_degree} (the per-rank load of a slot)"
+        ),
+    ),
+    (
+        lambda a, t: a.dynamic_bucket is not None and a.dynamic_bucket < 1,
+        lambda a, t: f"--dynamic-bucket must be a positive number of tokens, got {a.dynamic_bucket}",
+    ),
     (
         lambda a, t: a.context_parallel_size > 1 and a.attention_backend == "flash",
         lambda a, t: (

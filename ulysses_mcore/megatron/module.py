@@ -79,6 +79,13 @@ def _host_int(value) -> Optional[int]:
 _lengths = LastOf(lambda cu: cu[1:] - cu[:-1])
 
 
+def _powers_of_two(n: int):
+    d = 2
+    while d <= n:
+        yield d
+        d *= 2
+
+
 def _tp_size_and_rank(tp_group):
     """Tensor-parallel (size, rank): of Megatron's ``pg_collection.tp`` when given, else of parallel_state."""
     if tp_group is not None:
@@ -134,6 +141,7 @@ class UlyssesAttention(MegatronModule):
         ring_group=None,
         k_channels: Optional[int] = None,
         v_channels: Optional[int] = None,
+        dynamic=None,
     ):
         super().__init__(config=config)
         self.layer_number = max(1, layer_number)
@@ -152,9 +160,12 @@ class UlyssesAttention(MegatronModule):
         self.tp_group = tp_group
         self.group, self.ring_group = resolve_groups(config, pg_collection, ulysses_group, ring_group)
         self.degree, self.ring = _size(self.group), _size(self.ring_group)
+        self.dynamic = dynamic  # --dynamic-ulysses: each micro-batch brings its group (PackedSeqParams.cp_group)
         self.calls = CallCache()  # this module's prepared (validated) call signatures
         self._check_context_parallel(cp_size)
         self._heads(config, tp)
+        for d in _powers_of_two(dynamic.max_degree if dynamic else 1):  # every degree a slot may have
+            self._head_layout(config, tp, d)
         # MLA passes k_channels (query/key head dim, for the default scale) and v_channels (value head
         # dim: the output's, read from the value itself), as to TE's module
         self.head_dim = k_channels or config.kv_channels
@@ -168,6 +179,12 @@ class UlyssesAttention(MegatronModule):
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.te_attention = self._te_child(v_channels or self.head_dim) if backend == "te" else None
+        self.kernel = self.te_attention
+        if dynamic is not None and dynamic.rope:  # RoPE after the exchange (docs/dynamic.md)
+            from ..backends import resolve
+            from .dynamic import RotaryKernel
+
+            self.kernel = RotaryKernel(self.te_attention or resolve(backend), config)
 
     def _te_child(self, dv: int):
         """Transformer Engine's attention for the heads this rank holds after the exchange, built once
@@ -211,10 +228,14 @@ class UlyssesAttention(MegatronModule):
             )
         self.num_q_heads, self.num_kv_heads = heads // tp, groups // tp
         self.extra_checks = (("expected_heads", (self.num_q_heads, self.num_kv_heads)),)
-        err = head_layout_error(self.num_q_heads, self.num_kv_heads, self.degree)
+        self._head_layout(config, tp, self.degree)
+
+    def _head_layout(self, config, tp: int, degree: int) -> None:
+        err = head_layout_error(self.num_q_heads, self.num_kv_heads, degree)
         if err:
+            heads, groups = config.num_attention_heads, config.num_query_groups or config.num_attention_heads
             raise ValueError(
-                f"--ulysses-degree {self.degree} does not fit the heads per tensor-parallel rank "
+                f"--ulysses-degree {degree} does not fit the heads per tensor-parallel rank "
                 f"(tp={tp}, --num-attention-heads {heads}, --num-query-groups {groups}): {err}"
             )
 
@@ -270,18 +291,21 @@ class UlyssesAttention(MegatronModule):
         extra = self.extra_checks
         if packed_seq_params is not None:  # the module's own checks of Megatron's packed-sequence record
             extra += (("cu_seqlens_kv", cu_kv), ("qkv_format", getattr(packed_seq_params, "qkv_format", None)))
+        group = self.group
+        if self.dynamic is not None:  # the slot's group, handed over by the trainer with the micro-batch
+            group = getattr(packed_seq_params, "cp_group", None)
         out = self.calls.run(
             query,
             key,
             value,
             opts,
-            self.group,
+            group,
             self.ring_group,
             tensors,
             self.tp_rank * self.num_q_heads,
             self.check,
             extra,
-            self.te_attention,
+            self.kernel,
         )
         if cu is not None:
             return out.reshape(out.shape[0], -1)  # [t, h*d]; Megatron adds the batch dim back

@@ -99,6 +99,8 @@ def main(argv=None):
     finally:
         from ulysses_mcore.megatron import groups
 
+        if getattr(args, "dynamic_groups", None) is not None:
+            args.dynamic_groups.destroy()
         groups.destroy()
         dist.destroy_process_group()
 
@@ -165,9 +167,10 @@ def _initialize(args, topo):
     import ulysses_mcore
     from megatron.core import tensor_parallel
 
+    dynamic = args.dynamic_ulysses  # Megatron sees the data-parallel x Ulysses ranks as its data-parallel axis
     ulysses_mcore.initialize(
         tp=topo.tp,
-        ulysses=topo.ulysses,
+        ulysses=1 if dynamic else topo.ulysses,
         cp=topo.cp,
         pp=topo.pp,
         distributed_timeout_minutes=max(1, int(math.ceil(args.distributed_timeout_minutes))),
@@ -177,6 +180,17 @@ def _initialize(args, topo):
     )
     torch.manual_seed(args.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+    if dynamic:
+        from .dynamic import DynamicGroups
+
+        args.dynamic_groups = DynamicGroups(topo.world_size, topo.tp, topo.ulysses)
+        if dist.get_rank() == 0:
+            print(
+                f"[ulysses-mcore] --dynamic-ulysses: a degree per document from 1 to {topo.ulysses} over the "
+                f"{topo.world_size // topo.tp} data-parallel x Ulysses ranks of each tensor-parallel rank "
+                f"(Megatron's data-parallel size {topo.world_size // topo.tp}, context-parallel size 1)",
+                flush=True,
+            )
 
 
 class _Data:
@@ -200,11 +214,11 @@ class _Data:
         )
         prefix = args.data_path or _embedded_corpus(D, args, self.tok, build)
         train_ds, valid_ds, _ = build(prefix)
-        kw = dict(
+        kw = dict(  # --dynamic-ulysses: every rank reads the whole global batch (and places it)
             global_batch_size=G,
             micro_batch_size=args.micro_batch_size,
-            dp_size=ps.get_data_parallel_world_size(),
-            dp_rank=ps.get_data_parallel_rank(),
+            dp_size=1 if args.dynamic_ulysses else ps.get_data_parallel_world_size(),
+            dp_rank=0 if args.dynamic_ulysses else ps.get_data_parallel_rank(),
         )
         self.sampler = D.GlobalBatchSampler(train_ds, **kw)
         self.vsampler = D.GlobalBatchSampler(valid_ds, **kw) if valid_ds is not None and n_eval else None
@@ -215,11 +229,14 @@ class _Data:
             if args.reset_attention_mask
             else dict(seq_length=seq, micro_batch_size=mbs)
         )
+        self.dynamic = _dynamic_batches(args, self.tok) if args.dynamic_ulysses else None
 
     def shard(self, mbs):
         from ulysses_mcore.megatron.batch import pack_batch, reset_position_ids, shard_batch
 
         args = self.args
+        if self.dynamic is not None:  # the global batch placed document by document (docs/dynamic.md)
+            return self.dynamic.microbatches(mbs)
         if args.reset_attention_mask:  # one packed THD stream per micro-batch, documents split at EOD
             return [shard_batch(pack_batch(mb, self.tok.eod, reset_positions=args.reset_position_ids)) for mb in mbs]
         if args.reset_position_ids:
@@ -239,6 +256,20 @@ class _Data:
                 f"{n_docs} documents in rank 0's first {len(first)} micro-batches",
                 flush=True,
             )
+
+
+def _dynamic_batches(args, tok):
+    from .dynamic import DynamicBatches, costs_of, default_bucket
+
+    cap = args.micro_batch_size * args.seq_length // args.ulysses_degree
+    return DynamicBatches(
+        args.dynamic_groups,
+        cap=cap,
+        costs=costs_of(args),
+        bucket=args.dynamic_bucket or default_bucket(cap),
+        eod=tok.eod,
+        reset_positions=args.reset_position_ids,
+    )
 
 
 def _embedded_corpus(D, args, tok, build) -> str:
@@ -277,17 +308,23 @@ def _build_model(args):
     te = args.transformer_impl == "transformer_engine"
     backend = args.attention_backend if args.attention_backend != "auto" else ("te" if te else "sdpa")
     cfg = training.gpt_config(**_config_of(args))
+    dynamic = None
+    if args.dynamic_ulysses:  # RoPE moves into the attention, after the exchange (docs/dynamic.md)
+        from .dynamic import DynamicOptions
+
+        dynamic = DynamicOptions(args.ulysses_degree, rope=args.position_embedding_type == "rope")
     model = training.build_gpt(
         cfg,
         vocab_size=padded_vocab(args),  # padded independently of tp: checkpoints reshard
         max_sequence_length=args.max_position_embeddings or args.seq_length,
-        position_embedding_type=args.position_embedding_type,
+        position_embedding_type="none" if dynamic and dynamic.rope else args.position_embedding_type,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         layer_spec=get_ulysses_layer_spec(
             "te" if (te or backend == "te") else "local",
             backend=backend,
             normalization=args.normalization,
             mlp_chunk_tokens=args.mlp_chunk_tokens,
+            dynamic=dynamic,
         ),
     )
     if args.loss_chunk_tokens:
@@ -459,6 +496,8 @@ def _iteration(args, run, data, model, optimizer, scheduler, log, use_cuda):
             f"tokens per second: {tps:.0f} | peak memory (GB): {peak:.2f} |",
             flush=True,
         )
+        if data.dynamic is not None:
+            _log_schedule(data.dynamic.last, dt)
         log.row(
             run.iteration,
             run.consumed,
@@ -472,6 +511,16 @@ def _iteration(args, run, data, model, optimizer, scheduler, log, use_cuda):
         )
     if data.vsampler is not None and args.eval_interval and run.iteration % args.eval_interval == 0:
         _evaluate(args, run, data, model, log)
+
+
+def _log_schedule(last: dict, step_seconds: float) -> None:
+    share = last["exchanged_tokens"] / max(1, last["tokens"])
+    print(
+        f"   dynamic: {last['slots']} slots | documents by degree {last['documents']} | all-to-all tokens "
+        f"{share:.2f} of the fixed degree's | predicted busiest / mean rank {last['predicted_busy_max_over_mean']:.3f} | "
+        f"scheduler {last['scheduler_seconds'] * 1e3:.1f} ms ({100 * last['scheduler_seconds'] / step_seconds:.2f}% of the step) |",
+        flush=True,
+    )
 
 
 def _evaluate(args, run, data, model, log):

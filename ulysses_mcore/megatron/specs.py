@@ -77,11 +77,14 @@ def _rewrite(spec, replace):
     return visit(spec)
 
 
-def swap_core_attention(spec, *, backend: Union[str, object] = "sdpa", ulysses_group=None):
+def swap_core_attention(spec, *, backend: Union[str, object] = "sdpa", ulysses_group=None, dynamic=None):
     """``spec`` with every self-attention ``core_attention`` made Ulysses (a layer spec, a
-    ``TransformerBlockSubmodules`` or any nesting; see :func:`_rewrite`).  Raises if nothing
-    was swapped."""
+    ``TransformerBlockSubmodules`` or any nesting; see :func:`_rewrite`).  ``dynamic``: the
+    :class:`~ulysses_mcore.megatron.module.DynamicOptions` of ``--dynamic-ulysses``.  Raises if
+    nothing was swapped."""
     params = {"backend": backend}
+    if dynamic is not None:
+        params["dynamic"] = dynamic
     if ulysses_group is not None:
         params["ulysses_group"] = ulysses_group
     count = [0]
@@ -159,6 +162,7 @@ def get_ulysses_layer_spec(
     qk_layernorm: bool = False,
     backend: Optional[str] = None,
     mlp_chunk_tokens: Optional[int] = None,
+    dynamic=None,
     **kwargs,
 ):
     """A GPT layer spec from Megatron-Core with Ulysses core attention.
@@ -167,8 +171,9 @@ def get_ulysses_layer_spec(
     ``backend`` (default ``"sdpa"``).  ``base="te"``:
     ``get_gpt_layer_with_transformer_engine_spec`` with the inner kernel TE's
     ``DotProductAttention`` (its own context parallelism off), ``backend`` default ``"te"``.
-    ``mlp_chunk_tokens``: the MLP sequence-tiled (:func:`swap_mlp`).  Extra keywords go to the
-    Megatron spec function."""
+    ``mlp_chunk_tokens``: the MLP sequence-tiled (:func:`swap_mlp`).  ``dynamic``: a degree per
+    micro-batch (``--dynamic-ulysses``, :class:`~ulysses_mcore.megatron.module.DynamicOptions`).
+    Extra keywords go to the Megatron spec function."""
     from megatron.core.models.gpt import gpt_layer_specs as g
 
     if base == "local":
@@ -183,5 +188,5 @@ def get_ulysses_layer_spec(
         backend = backend or "te"
     else:
         raise ValueError(f"base={base!r}: use 'local' (plain torch, CPU) or 'te' (Transformer Engine)")
-    spec = swap_core_attention(spec, backend=backend)
+    spec = swap_core_attention(spec, backend=backend, dynamic=dynamic)
     return swap_mlp(spec, chunk_tokens=mlp_chunk_tokens) if mlp_chunk_tokens else spec

@@ -1,0 +1,217 @@
+"""``--dynamic-ulysses``: a Ulysses degree per document, executed with Megatron-Core's own parts.
+
+The placement is pure arithmetic (:mod:`ulysses_mcore.planning.placement`); this module carries it
+out:
+
+* :class:`DynamicGroups` -- built once at start-up: a group for every aligned block of every
+  power-of-two degree ``2 .. U`` over the ranks that share a tensor-parallel rank (Megatron sees
+  them as its data-parallel axis: ``context_parallel_size = 1``, so its DDP reduces gradients and
+  its loss reduces token counts over all of them, exactly as over ``dp x ulysses`` at a fixed degree);
+* :class:`DynamicBatches` -- per global batch, every rank reads the same samples, splits them into
+  documents at EOD, places them (:func:`~ulysses_mcore.planning.placement.place`) and builds its
+  own cells' micro-batches: one packed stream per cell, this rank's contiguous share, the slot's
+  group in Megatron's ``PackedSeqParams.cp_group`` (the field Megatron has for a per-micro-batch
+  context-parallel group), which :class:`~ulysses_mcore.megatron.module.UlyssesAttention` reads;
+* :class:`RotaryKernel` -- RoPE after the all-to-all: a cell's share on one rank is a contiguous
+  piece of its documents, which Megatron's RoPE (sliced by its fixed context-parallel group) cannot
+  place; after the exchange every token of the cell is on the rank, at its position in its document
+  (from ``cu_seqlens``, on the device), and Megatron's own RoPE function rotates q and k there.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+
+from ..planning.placement import Cell, Costs, Schedule, place
+
+
+@dataclass(frozen=True)
+class DynamicOptions:
+    """What a ``UlyssesAttention`` of ``--dynamic-ulysses`` needs: the largest degree (its heads are
+    checked against every power of two up to it) and whether it applies RoPE (after the exchange)."""
+
+    max_degree: int
+    rope: bool = True
+
+
+class RotaryKernel:
+    """An attention kernel with Megatron's RoPE applied to q and k first, each token at its position
+    in its document (``cu_seqlens`` of the full stream the exchange delivered: no host read)."""
+
+    def __init__(self, inner, config):
+        from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+        self.inner, self.config = inner, config
+        self.rotary = RotaryEmbedding(
+            kv_channels=config.kv_channels,
+            rotary_percent=1.0,
+            rotary_interleaved=config.rotary_interleaved,
+            use_cpu_initialization=config.use_cpu_initialization,
+        )
+
+    def __call__(self, q, k, v, *, cu_seqlens=None, **kw):
+        from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+        from .batch import document_positions
+
+        total = q.shape[0]
+        freqs = self.rotary(total, packed_seq=True)[document_positions(cu_seqlens, total)]
+        rot = dict(rotary_interleaved=self.config.rotary_interleaved)
+        q = _apply_rotary_pos_emb_bshd(q, freqs, **rot)
+        k = _apply_rotary_pos_emb_bshd(k, freqs, **rot)
+        return self.inner(q, k, v, cu_seqlens=cu_seqlens, **kw)
+
+
+class DynamicGroups:
+    """The groups of every power-of-two degree ``2 .. max_degree``: for each tensor-parallel rank ``t``,
+    its line of ranks ``t, t + tp, t + 2 tp, ...`` (Megatron's data-parallel group with context
+    parallelism 1 and order tp-cp-ep-dp-pp), cut into aligned blocks.  Every rank creates every group
+    in the same order (``new_group`` is collective)."""
+
+    def __init__(self, world: int, tp: int, max_degree: int):
+        self.ranks = world // tp  # ranks on one line
+        self.max_degree = max_degree
+        me = dist.get_rank()
+        self.index = me // tp
+        self._mine: Dict[tuple, object] = {}
+        d = 2
+        while d <= max_degree:
+            for first in range(0, self.ranks, d):
+                for t in range(tp):
+                    members = [t + tp * (first + j) for j in range(d)]
+                    g = dist.new_group(members)
+                    if me in members:
+                        self._mine[(first, d)] = g
+            d *= 2
+
+    def group(self, cell: Cell):
+        """This rank's group for ``cell`` (``None`` for a cell of one rank)."""
+        return None if cell.degree == 1 else self._mine[(cell.first, cell.degree)]
+
+    def destroy(self) -> None:
+        for g in self._mine.values():
+            dist.destroy_process_group(g)
+        self._mine.clear()
+
+
+SEQ = ("tokens", "labels", "loss_mask", "position_ids")
+
+
+class DynamicBatches:
+    """A global batch's micro-batches for this rank under ``--dynamic-ulysses``, and what its
+    schedule did (``last``: slots, documents per degree, exchanged tokens, the scheduler's time)."""
+
+    def __init__(self, groups: DynamicGroups, *, cap: int, costs: Costs, bucket: int, eod: int, reset_positions: bool):
+        self.groups, self.cap, self.costs, self.bucket = groups, cap, costs, bucket
+        self.eod, self.reset_positions = eod, reset_positions
+        self.last: Dict = {}
+
+    def microbatches(self, samples: List[Dict[str, torch.Tensor]]) -> List[Dict]:
+        """``samples``: the global batch as micro-batches ``[mbs, s]`` (every rank the same, in the
+        fixed degree's order); returns this rank's cells as packed micro-batches, in slot order."""
+        from .batch import pack_batch
+
+        whole = {k: torch.cat([mb[k] for mb in samples]) for k in SEQ}
+        stream = pack_batch(whole, self.eod, reset_positions=self.reset_positions)
+        cu = stream["cu_seqlens"].tolist()
+        lengths = [b - a for a, b in zip(cu[:-1], cu[1:])]
+        t0 = time.perf_counter()
+        schedule = place(
+            lengths,
+            ranks=self.groups.ranks,
+            max_degree=self.groups.max_degree,
+            cap=self.cap,
+            costs=self.costs,
+            bucket=self.bucket,
+        )
+        self.last = describe(schedule, lengths, time.perf_counter() - t0)
+        return [self._cell(stream, cu, lengths, c) for c in schedule.cells_of(self.groups.index)]
+
+    def _cell(self, stream, cu, lengths, cell: Cell) -> Dict:
+        """This rank's contiguous share of ``cell``'s packed stream (its documents, then one pad document)."""
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        pieces = [torch.arange(cu[i], cu[i + 1]) for i in cell.docs]
+        index = torch.cat(pieces)
+        full = {k: stream[k][0, index] for k in SEQ}
+        if cell.pad:
+            pad = {"tokens": self.eod, "labels": self.eod, "loss_mask": 0, "position_ids": 0}
+            full = {k: torch.cat([v, v.new_full((cell.pad,), pad[k])]) for k, v in full.items()}
+        j = self.groups.index - cell.first
+        mine = {k: v[j * cell.per_rank : (j + 1) * cell.per_rank].unsqueeze(0) for k, v in full.items()}
+        doc_lengths = [lengths[i] for i in cell.docs] + ([cell.pad] if cell.pad else [])
+        bounds = torch.tensor([0] + list(_cumsum(doc_lengths)), dtype=torch.int32)
+        longest = max(doc_lengths)
+        mine["packed_seq_params"] = PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=bounds,
+            cu_seqlens_kv=bounds,
+            max_seqlen_q=longest,
+            max_seqlen_kv=longest,
+            cp_group=self.groups.group(cell),
+        )
+        return mine
+
+
+def _cumsum(xs):
+    total = 0
+    for x in xs:
+        total += x
+        yield total
+
+
+def describe(schedule: Schedule, lengths: List[int], seconds: float) -> Dict:
+    """What a schedule does: slots, documents per degree, tokens through an all-to-all (pad
+    included) against the fixed degree's (all of them), the cost model's busiest / mean rank."""
+    per_degree: Dict[int, int] = {}
+    for d in schedule.degrees:
+        per_degree[d] = per_degree.get(d, 0) + 1
+    work = schedule.work or [0.0]
+    mean = sum(work) / len(work)
+    return {
+        "slots": schedule.slots,
+        "documents": dict(sorted(per_degree.items())),
+        "exchanged_tokens": schedule.exchanged_tokens(),
+        "tokens": sum(lengths),
+        "predicted_busy_max_over_mean": max(work) / mean if mean else 1.0,
+        "scheduler_seconds": seconds,
+    }
+
+
+def costs_of(args) -> Costs:
+    """The cost model of the run's model: FLOPs per token and per attention pair, all-to-all bytes,
+    at rates of this machine's kind (only their ratios steer the placement)."""
+    from .arguments import padded_vocab
+
+    model = dict(
+        hidden_size=args.hidden_size,
+        num_layers=args.num_layers,
+        ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        vocab_size=padded_vocab(args),
+        swiglu=args.swiglu,
+    )
+    gpu = torch.cuda.is_available()
+    # a GPU: dense GEMMs near peak, attention at half of that, NVLink all-to-all; a CPU: gloo's
+    # loopback all-to-all is slow beside its GEMMs (measured by tools/bench_dynamic.py's calibration)
+    rates = (
+        dict(gemm_flops=4e14, attn_flops=2e14, bytes_per_s=2e11)
+        if gpu
+        else dict(gemm_flops=2e10, attn_flops=1e10, bytes_per_s=1e9)
+    )
+    return Costs.of_model(model, dtype_bytes=2 if args.bf16 else 4, **rates)
+
+
+def default_bucket(cap: int) -> int:
+    """A cell's per-rank tokens rounded to 1/16 of the load: at most 16 shapes a degree, <= 6% pad."""
+    return max(1, math.ceil(cap / 16))
+
+
+__all__ = ["DynamicOptions", "RotaryKernel", "DynamicGroups", "DynamicBatches", "costs_of", "default_bucket"]
