@@ -515,10 +515,11 @@ def _iteration(args, run, data, model, optimizer, scheduler, log, use_cuda):
 
 def _log_schedule(last: dict, step_seconds: float) -> None:
     share = last["exchanged_tokens"] / max(1, last["tokens"])
+    busy, sched = last["predicted_busy_max_over_mean"], last["scheduler_seconds"]
     print(
         f"   dynamic: {last['slots']} slots | documents by degree {last['documents']} | all-to-all tokens "
-        f"{share:.2f} of the fixed degree's | predicted busiest / mean rank {last['predicted_busy_max_over_mean']:.3f} | "
-        f"scheduler {last['scheduler_seconds'] * 1e3:.1f} ms ({100 * last['scheduler_seconds'] / step_seconds:.2f}% of the step) |",
+        f"{share:.2f} of the fixed degree's | predicted busiest / mean rank {busy:.3f} | "
+        f"scheduler {sched * 1e3:.1f} ms ({100 * sched / step_seconds:.2f}% of the step) |",
         flush=True,
     )
 
