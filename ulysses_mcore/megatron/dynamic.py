@@ -172,14 +172,14 @@ def describe(schedule: Schedule, lengths: List[int], seconds: float) -> Dict:
     per_degree: Dict[int, int] = {}
     for d in schedule.degrees:
         per_degree[d] = per_degree.get(d, 0) + 1
-    work = schedule.work or [0.0]
-    mean = sum(work) / len(work)
+    finish = schedule.finish or [0.0]
+    mean = sum(schedule.work) / len(schedule.work) if schedule.work else 0.0
     return {
         "slots": schedule.slots,
         "documents": dict(sorted(per_degree.items())),
         "exchanged_tokens": schedule.exchanged_tokens(),
         "tokens": sum(lengths),
-        "predicted_busy_max_over_mean": max(work) / mean if mean else 1.0,
+        "predicted_busy_max_over_mean": max(finish) / mean if mean else 1.0,
         "scheduler_seconds": seconds,
     }
 

@@ -2,25 +2,25 @@
 
 Pure arithmetic over document lengths -- no torch, no Megatron -- so the trainer's scheduler is
 tested alone.  The ``R`` ranks that share a tensor-parallel rank (data-parallel x Ulysses) run the
-global batch as ``slots`` (micro-batches).  In a slot every rank belongs to exactly one *cell*: an
-aligned block of ``d`` ranks (``d`` a power of two up to the largest degree ``U``; blocks
-``[k d, (k + 1) d)``, so the groups are built once at start-up) that holds some documents, or a
-rank idle in that slot.  A cell's documents are concatenated into one packed stream, padded with
-one loss-masked pad document to ``d x per_rank`` tokens, and split contiguously: rank ``j`` of the
-block holds tokens ``[j per_rank, (j + 1) per_rank)`` and attention runs per document after the
-all-to-all, exactly as at a fixed degree.
+global batch as micro-batches (*slots*); in each slot a rank is in exactly one *cell*: an aligned
+block of ``d`` ranks (``d`` a power of two up to the largest degree ``U``; blocks ``[k d, (k + 1)
+d)``, so the groups are built once at start-up) holding some documents.  A cell's documents are
+concatenated into one packed stream, padded with one loss-masked pad document to ``d x per_rank``
+tokens, and split contiguously: rank ``j`` of the block holds tokens ``[j per_rank, (j + 1)
+per_rank)``, and attention runs per document after the all-to-all, exactly as at a fixed degree.
 
-Placement (:func:`place`):
+Placement (:func:`place`), a list schedule over the cost model's clock of each rank:
 
 1. each document gets the smallest degree ``d`` whose share ``ceil(L / d)`` fits the per-rank load
    ``cap = micro-batch-size x seq-length / U`` (so no rank ever holds more tokens than at the fixed
    degree ``U``); a document that does not fit at ``U`` is refused (:class:`PlacementError`);
 2. documents of degree ``d > 1`` are packed first-fit-decreasing into cells of degree ``d`` (at most
    ``cap`` tokens a rank, padding included);
-3. cells, most work first, go to the (slot, block) whose ranks have the least work so far, among
-   blocks free in that slot (a new slot when none is free);
-4. whole documents (degree 1), longest first, go to the (slot, rank) with room whose rank has the
-   least work so far (a new slot when none has room).
+3. those cells, largest degree first and then most work first, each go to the aligned block that is
+   free first (its members run them in this one global order: no two groups wait on each other);
+4. whole documents (degree 1), longest first, each go to the rank that is free first; each rank's
+   whole documents are packed into micro-batches of at most ``cap`` tokens, split further until every
+   rank runs the same number of slots (while it has documents to split).
 
 Work is the cost model's (:class:`Costs`): per token (the MLP, projections, logits), per document
 the attention's causal pairs, and the all-to-all bytes of an exchanged document -- per rank,
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 
 class PlacementError(ValueError):
@@ -72,10 +72,11 @@ class Costs:
 
 @dataclass(frozen=True)
 class Cell:
-    """Documents ``docs`` run on the ranks ``first .. first + degree - 1`` in slot ``slot``; each of
-    them holds ``per_rank`` tokens (the cell's ``tokens`` plus pad, split contiguously)."""
+    """Documents ``docs`` run on the ranks ``first .. first + degree - 1``; each of them holds
+    ``per_rank`` tokens (the cell's ``tokens`` plus pad, split contiguously).  ``order``: cells of
+    degree > 1 in the one order every member runs them in (-1 for a rank's whole documents)."""
 
-    slot: int
+    order: int
     first: int
     degree: int
     docs: Tuple[int, ...]
@@ -93,29 +94,37 @@ class Cell:
 
 @dataclass
 class Schedule:
-    """Where every document of a global batch runs: ``cells`` over ``slots`` x ``ranks``."""
+    """Where every document of a global batch runs: ``per_rank[r]`` is rank ``r``'s micro-batches
+    (slots) in the order it runs them -- its cells of degree > 1 in their global order, then its
+    whole documents.  ``finish``: the cost model's time each rank ends (waits included), ``work``:
+    its busy time."""
 
     ranks: int
-    slots: int
-    cells: List[Cell]
+    per_rank: List[List[Cell]]
     degrees: List[int]
+    finish: List[float] = field(default_factory=list)
     work: List[float] = field(default_factory=list)
 
-    def cells_of(self, rank: int) -> List[Cell]:
-        """The cells rank ``rank`` runs, in slot order (a rank idle in a slot has none there)."""
-        return sorted((c for c in self.cells if rank in c.ranks), key=lambda c: c.slot)
+    @property
+    def slots(self) -> int:
+        return max((len(c) for c in self.per_rank), default=0)
 
-    def grid(self) -> List[List[Optional[Cell]]]:
-        """``[slot][rank]`` -> the cell that rank is in during that slot, or ``None`` (idle)."""
-        g: List[List[Optional[Cell]]] = [[None] * self.ranks for _ in range(self.slots)]
-        for c in self.cells:
-            for r in c.ranks:
-                g[c.slot][r] = c
-        return g
+    def cells_of(self, rank: int) -> List[Cell]:
+        return self.per_rank[rank]
+
+    def cells(self) -> List[Cell]:
+        """Every cell once."""
+        seen, out = set(), []
+        for cells in self.per_rank:
+            for c in cells:
+                if id(c) not in seen:
+                    seen.add(id(c))
+                    out.append(c)
+        return out
 
     def exchanged_tokens(self) -> int:
         """Tokens (pad included) that run on a cell of degree > 1: what the all-to-alls move."""
-        return sum(c.per_rank * c.degree for c in self.cells if c.degree > 1)
+        return sum(c.per_rank * c.degree for c in self.cells() if c.degree > 1)
 
 
 def degree_for(length: int, cap: int, max_degree: int) -> int:
@@ -162,54 +171,6 @@ def _pack_cells(lengths, docs: List[int], degree: int, cap: int) -> List[List[in
     return bins
 
 
-class _Board:
-    """The slots being filled: which ranks a cell holds in each slot, each rank's work and, for
-    whole documents, each (slot, rank)'s room left."""
-
-    def __init__(self, ranks: int, cap: int):
-        self.ranks, self.cap = ranks, cap
-        self.busy: List[List[bool]] = []  # [slot][rank] held by a cell of degree > 1
-        self.room: List[List[int]] = []  # [slot][rank] tokens left for whole documents
-        self.work = [0.0] * ranks
-
-    def new_slot(self) -> int:
-        self.busy.append([False] * self.ranks)
-        self.room.append([self.cap] * self.ranks)
-        return len(self.busy) - 1
-
-    def free_block(self, degree: int) -> Tuple[int, int]:
-        """(slot, first rank) of the free aligned block whose busiest rank has the least work."""
-        best = None
-        for s in range(len(self.busy)):
-            for first in range(0, self.ranks, degree):
-                block = range(first, first + degree)
-                if any(self.busy[s][r] for r in block):
-                    continue
-                key = (max(self.work[r] for r in block), s)
-                if best is None or key < best[0]:
-                    best = (key, s, first)
-        if best is None:
-            return self.new_slot(), self._least_loaded_block(degree)
-        return best[1], best[2]
-
-    def _least_loaded_block(self, degree: int) -> int:
-        return min(range(0, self.ranks, degree), key=lambda f: max(self.work[f : f + degree]))
-
-    def room_for(self, length: int) -> Tuple[int, int]:
-        """(slot, rank) with room for a whole document whose rank has the least work."""
-        best = None
-        for s in range(len(self.busy)):
-            for r in range(self.ranks):
-                if not self.busy[s][r] and self.room[s][r] >= length:
-                    key = (self.work[r], s)
-                    if best is None or key < best[0]:
-                        best = (key, s, r)
-        if best is None:
-            s = self.new_slot()
-            return s, min(range(self.ranks), key=lambda r: self.work[r])
-        return best[1], best[2]
-
-
 def place(
     lengths: Sequence[int],
     *,
@@ -220,38 +181,75 @@ def place(
     bucket: int = 1,
 ) -> Schedule:
     """The placement of documents of ``lengths`` on ``ranks`` ranks (a multiple of ``max_degree``,
-    a power of two), at most ``cap`` tokens a rank in a slot; the per-rank length of a cell of
-    degree > 1 is rounded up to a multiple of ``bucket`` (never past ``cap``) so a run sees few
+    a power of two), at most ``cap`` tokens a rank in a micro-batch; the per-rank length of a cell
+    of degree > 1 is rounded up to a multiple of ``bucket`` (never past ``cap``) so a run sees few
     shapes.  Deterministic: every rank computes the same schedule from the same lengths."""
     _check(ranks, max_degree, cap, bucket)
     degrees = [degree_for(L, cap, max_degree) for L in lengths]
-    board, cells = _Board(ranks, cap), []
-    groups = []  # (work a rank, degree, docs)
+    clock, busy = [0.0] * ranks, [0.0] * ranks
+    per_rank: List[List[Cell]] = [[] for _ in range(ranks)]
+    for order, (work, d, docs) in enumerate(_group_cells(lengths, degrees, max_degree, cap, costs)):
+        first = min(range(0, ranks, d), key=lambda f: (max(clock[f : f + d]), f))  # the block free first
+        end = max(clock[first : first + d]) + work
+        tokens = sum(lengths[i] for i in docs)
+        cell = Cell(order, first, d, tuple(sorted(docs)), tokens, _per_rank(tokens, d, cap, bucket))
+        for r in cell.ranks:
+            clock[r], busy[r] = end, busy[r] + work
+            per_rank[r].append(cell)
+    whole: List[List[int]] = [[] for _ in range(ranks)]
+    for i in sorted((i for i, g in enumerate(degrees) if g == 1), key=lambda i: (-lengths[i], i)):
+        r = min(range(ranks), key=lambda r: (clock[r], r))  # longest first, to the rank free first
+        whole[r].append(i)
+        work = costs.document(lengths[i], 1)
+        clock[r], busy[r] = clock[r] + work, busy[r] + work
+    bins = [_fill(lengths, docs, cap) for docs in whole]
+    slots = max(len(per_rank[r]) + len(bins[r]) for r in range(ranks))
+    for r in range(ranks):
+        for docs in _spread(lengths, bins[r], slots - len(per_rank[r])):
+            tokens = sum(lengths[i] for i in docs)
+            per_rank[r].append(Cell(-1, r, 1, tuple(sorted(docs)), tokens, tokens))
+            clock[r] += costs.cell
+    return Schedule(ranks, per_rank, degrees, clock, busy)
+
+
+def _group_cells(lengths, degrees, max_degree: int, cap: int, costs: Costs):
+    """(work a rank, degree, documents) of every cell of degree > 1, largest degree first, then most work."""
+    out = []
     d = max_degree
     while d > 1:
         for docs in _pack_cells(lengths, [i for i, g in enumerate(degrees) if g == d], d, cap):
-            groups.append((sum(costs.document(lengths[i], d) for i in docs) + costs.cell, d, docs))
+            out.append((sum(costs.document(lengths[i], d) for i in docs) + costs.cell, d, docs))
         d //= 2
-    for work, degree, docs in sorted(groups, key=lambda g: (-g[0], -g[1], g[2])):
-        slot, first = board.free_block(degree)
-        tokens = sum(lengths[i] for i in docs)
-        for r in range(first, first + degree):
-            board.busy[slot][r] = True
-            board.work[r] += work
-        cells.append(Cell(slot, first, degree, tuple(sorted(docs)), tokens, _per_rank(tokens, degree, cap, bucket)))
-    whole: Dict[Tuple[int, int], List[int]] = {}
-    for i in sorted((i for i, g in enumerate(degrees) if g == 1), key=lambda i: (-lengths[i], i)):
-        slot, r = board.room_for(lengths[i])
-        if (slot, r) not in whole:
-            board.work[r] += costs.cell
-        whole.setdefault((slot, r), []).append(i)
-        board.room[slot][r] -= lengths[i]
-        board.work[r] += costs.document(lengths[i], 1)
-    for (slot, r), docs in sorted(whole.items()):
-        tokens = sum(lengths[i] for i in docs)
-        cells.append(Cell(slot, r, 1, tuple(sorted(docs)), tokens, tokens))
-    cells.sort(key=lambda c: (c.slot, c.first))
-    return Schedule(ranks, len(board.busy), cells, degrees, board.work)
+    return sorted(out, key=lambda g: (-g[1], -g[0], g[2]))
+
+
+def _fill(lengths, docs: List[int], cap: int) -> List[List[int]]:
+    """A rank's whole documents into micro-batches of at most ``cap`` tokens (first fit, longest first)."""
+    bins: List[List[int]] = []
+    room: List[int] = []
+    for i in docs:  # already longest first
+        b = next((b for b, free in enumerate(room) if free >= lengths[i]), None)
+        if b is None:
+            bins.append([])
+            room.append(cap)
+            b = len(bins) - 1
+        bins[b].append(i)
+        room[b] -= lengths[i]
+    return bins
+
+
+def _spread(lengths, bins: List[List[int]], want: int) -> List[List[int]]:
+    """``bins`` split (the one with most tokens first) until there are ``want`` of them, or no bin
+    has two documents left: every rank then runs the same number of micro-batches."""
+    bins = [list(b) for b in bins]
+    while len(bins) < want:
+        splittable = [b for b in bins if len(b) > 1]
+        if not splittable:
+            break
+        big = max(splittable, key=lambda b: sum(lengths[i] for i in b))
+        bins.remove(big)
+        bins += [big[0::2], big[1::2]]
+    return bins
 
 
 def _check(ranks: int, max_degree: int, cap: int, bucket: int) -> None:
