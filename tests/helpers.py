@@ -15,6 +15,9 @@ from __future__ import annotations
 import math
 import os
 import socket
+import subprocess
+import sys
+import time
 import threading
 import traceback
 from typing import Callable, List, Optional
@@ -340,3 +343,41 @@ def run_tool(script: str, *args: str, timeout: float = 300.0):
     return subprocess.run(
         [sys.executable, script, *args], cwd=root, env=env, capture_output=True, text=True, timeout=timeout
     )
+
+
+def run_ranks(n, args, cwd, *, script, timeout=120):
+    """``n`` ranks as separate processes (no launcher killing the others): each must exit by itself."""
+    port = free_port()
+    procs = []
+    for r in range(n):
+        env = dict(
+            os.environ,
+            RANK=str(r),
+            LOCAL_RANK=str(r),
+            WORLD_SIZE=str(n),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+            PYTHONWARNINGS="ignore",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, script, *args],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+                cwd=str(cwd),
+            )
+        )
+    out = []
+    t0 = time.time()
+    for p in procs:
+        try:
+            o, e = p.communicate(timeout=max(1, timeout - (time.time() - t0)))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise AssertionError(f"a rank did not exit within {timeout}s") from None
+        out.append((p.returncode, o, e))
+    return out

@@ -83,3 +83,88 @@ def test_the_lse_ring_refuses_padded_documents_it_cannot_honour():
     q = torch.randn(8, 1, 2, 4)
     with pytest.raises(ValueError, match="seqlens"):
         kernel(q, q, q, causal=True, cu_seqlens=torch.tensor([0, 8]), seqlens=torch.tensor([6]))
+
+
+# ----------------------------------------------------------------------------- bounds and agreement
+def test_cache_is_bounded_in_entries_and_bytes_and_stays_exact():
+    """Hundreds of distinct shapes (load-balanced order: each prepared call keeps index tensors):
+    the cache never holds more than its bounds, and every call is still exact."""
+    from ulysses_mcore.call import held_bytes
+
+    opts = attention_options(True, "sbhd", "sdpa", None, 0.0, "load_balanced")
+
+    def full(i):
+        g = torch.Generator().manual_seed(i)
+        return [torch.randn(8 * (i % 150 + 1), 1, 2, 4, generator=g) for _ in range(3)]
+
+    def fn(rank, world):
+        cache = CallCache(max_entries=32, max_bytes=48 << 10)
+        worst, outs = 0, {}
+        for i in range(300):
+            shards = [torch.cat([c[rank], c[2 * world - 1 - rank]]) for c in (t.chunk(2 * world) for t in full(i))]
+            out = cache.run(*shards, opts, dist.group.WORLD, None)
+            worst = max(worst, cache.held)
+            assert cache.held == sum(held_bytes(c) for c in cache.entries.values())
+            if i % 60 == 7:
+                outs[i] = out
+        return worst, len(cache.entries), outs
+
+    res = run_threaded(2, fn)
+    for worst, entries, _ in res:
+        assert 0 < worst <= 48 << 10 and entries <= 32
+    for i in res[0][2]:
+        chunks = [None] * 4
+        for r, (_, _, outs) in enumerate(res):
+            a, b = outs[i].chunk(2)
+            chunks[r], chunks[3 - r] = a, b
+        want = reference_attention(*full(i), causal=True)
+        assert (torch.cat(chunks).double() - want).abs().max() < 1e-5, i
+
+
+def test_cache_key_digest_is_the_same_in_every_process_for_the_same_call():
+    from ulysses_mcore.call import digest
+
+    q = torch.randn(4, 1, 2, 8)
+    k1 = call_key(q, q, q, OPTS, None, None, NO_TENSORS, 0, (("expected_heads", (2, 2)),))
+    k2 = call_key(q.clone(), q, q, OPTS, None, None, NO_TENSORS, 0, (("expected_heads", (2, 2)),))
+    k3 = call_key(q[:2], q[:2], q[:2], OPTS, None, None, NO_TENSORS, 0, (("expected_heads", (2, 2)),))
+    assert digest(k1) == digest(k2) != digest(k3)
+    assert 0 <= digest(k1) < 1 << 62
+
+
+def test_every_call_agreement_turns_a_late_mismatch_into_the_same_error_on_every_rank():
+    """Both ranks' signatures A and B were checked and cached; then rank 0 calls A while rank 1
+    calls B.  With check="every_call" both raise the same ValueError (plain caching would enter an
+    all-to-all of mismatched sizes)."""
+    import pytest
+
+    def fn(rank, world):
+        cache = CallCache()
+        a = [torch.randn(4, 1, 2, 8) for _ in range(3)]
+        b = [torch.randn(6, 1, 2, 8) for _ in range(3)]
+        for x in (a, b):
+            cache.run(*x, OPTS, dist.group.WORLD, None, check="every_call")
+        cache.run(*a, OPTS, dist.group.WORLD, None, check="every_call")  # agreeing: runs
+        with pytest.raises(ValueError) as e:
+            cache.run(*(a if rank == 0 else b), OPTS, dist.group.WORLD, None, check="every_call")
+        return str(e.value)
+
+    first, second = run_threaded(2, fn)
+    assert first == second and "ulysses_attention:" in first
+    assert "4" in first and "6" in first  # the full check names the shapes that differ
+
+
+def test_every_call_agreement_is_one_small_all_reduce():
+    def fn(rank, world):
+        cache = CallCache()
+        x = [torch.randn(4, 1, 2, 8) for _ in range(3)]
+        cache.run(*x, OPTS, dist.group.WORLD, None, check="every_call")
+        names = c.NAMES
+        before = {n: c.get(n) for n in names}
+        cache.run(*x, OPTS, dist.group.WORLD, None, check="every_call")
+        return {n: c.get(n) - before[n] for n in names if c.get(n) != before[n]}
+
+    with count_collectives() as c:
+        res = run_threaded(2, fn)
+    for d in res:
+        assert d == {"all_reduce": 1, "all_to_all_single": 2}, d

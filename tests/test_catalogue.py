@@ -10,13 +10,13 @@ collective -- neither is in the catalogue.
 
 import os
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from tests import helpers
 from tests.helpers import free_port, run_threaded
 from ulysses_mcore.topology import Topology, TopologyError
 
@@ -88,41 +88,8 @@ def test_topology(topo, model, needle):
 
 # ---------------------------------------------------------------- examples/pretrain_gpt.py
 def run_ranks(n, args, cwd, timeout=120, script=SCRIPT):
-    """``n`` ranks as separate processes (no launcher killing the others): each must exit by itself."""
-    port = free_port()
-    procs = []
-    for r in range(n):
-        env = dict(
-            os.environ,
-            RANK=str(r),
-            LOCAL_RANK=str(r),
-            WORLD_SIZE=str(n),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            OMP_NUM_THREADS="1",
-            PYTHONWARNINGS="ignore",
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, script, *args],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                env=env,
-                cwd=str(cwd),
-            )
-        )
-    out = []
-    t0 = time.time()
-    for p in procs:
-        try:
-            o, e = p.communicate(timeout=max(1, timeout - (time.time() - t0)))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise AssertionError(f"a rank did not exit within {timeout}s") from None
-        out.append((p.returncode, o, e))
-    return out
+    """``n`` ranks of the pretrain script as separate processes (tests.helpers.run_ranks)."""
+    return helpers.run_ranks(n, args, cwd, timeout=timeout, script=script)
 
 
 @pytest.fixture(scope="module")

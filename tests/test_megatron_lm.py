@@ -182,6 +182,20 @@ def test_loss_lines_equal_without_ulysses(layout):
     assert_same_lines(got, want, range(1, 5), layout)
 
 
+def test_dynamic_ulysses_is_refused_at_start_up_on_every_rank():
+    """Megatron-LM's script with --dynamic-ulysses stops in its argument validation, before any
+    collective, on both ranks, saying why and which command runs it."""
+    from ulysses_mcore.megatron.patches import DYNAMIC_REFUSED
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([MEGATRON_LM, ROOT]), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
+    cmd += ["-m", "megatron_patches.launch", SCRIPT, *CPU, *TINY, *MOCK, "--train-iters", "2"]
+    cmd += ["--ulysses-degree", "2", "--dynamic-ulysses"]
+    rc, stdout, stderr = run_in_session(cmd, env=env, cwd=ROOT, timeout=120)
+    assert rc != 0
+    assert (stdout + stderr).count(DYNAMIC_REFUSED[:60]) >= 2, (stdout + stderr)[-3000:]  # each rank says it
+
+
 def test_indexed_data_ulysses2_learned_absolute(tmp_path_factory):
     """Megatron's indexed dataset (.bin/.idx from ulysses-mcore preprocess, byte tokens 0-256)
     instead of --mock-data; NullTokenizer with --vocab-size 257 covers the ids.  Learned absolute

@@ -35,6 +35,16 @@ def test_fold_args_rejects_bad_degrees():
         megatron_patches.fold_args(args)
 
 
+def test_dynamic_ulysses_is_refused_with_the_trainer_to_use_instead():
+    p = megatron_patches.add_ulysses_args(argparse.ArgumentParser())
+    args = p.parse_args(["--ulysses-degree", "2", "--dynamic-ulysses"])
+    with pytest.raises(ValueError) as e:
+        megatron_patches.fold_args(args)
+    msg = str(e.value)
+    assert "--dynamic-ulysses does not run through Megatron-LM's pretrain_gpt.py" in msg
+    assert "ulysses-mcore pretrain --ulysses-degree U --dynamic-ulysses" in msg
+
+
 def test_apply_swaps_specs_and_remove_restores():
     from megatron.core.models.gpt import gpt_layer_specs as g
 

@@ -34,7 +34,7 @@ def ulysses_attention(
     attention_mask: Optional[torch.Tensor] = None,
     attention_bias: Optional[torch.Tensor] = None,
     dropout_p: float = 0.0,
-    check: bool = True,
+    check: Union[bool, str] = True,
     token_order: str = "contiguous",
     overlap_chunks: int = 1,
     ring_group=None,
@@ -60,6 +60,12 @@ def ulysses_attention(
     a typed record of every rank's inputs, so a bad input raises the same ``ValueError`` on every
     rank instead of hanging a collective; the call is then prepared once (:mod:`ulysses_mcore.call`),
     so later calls validate nothing and recompute nothing.  ``check=False`` skips the exchange.
+    ``check="every_call"`` (shapes that change from call to call): also, every later call first
+    agrees with its group on its signature (one all-reduce of two integers), so ranks whose calls
+    differ raise the same ``ValueError`` instead of entering an all-to-all of mismatched sizes.
+    ``check`` and whether a backward runs must be the same on every rank of the group: a rank with
+    ``check=False`` beside ranks that check, or a rank that skips the backward its peers run, leaves
+    the others waiting in a collective until the process group's timeout.
 
     ``token_order="load_balanced"``: Megatron's context-parallel (dual-chunk) shard -- rank ``r``
     holds chunks ``r`` and ``2P-1-r`` of ``2P``; masks still cover the sequence in natural order.
@@ -130,7 +136,7 @@ def release() -> None:
     from .exchange import POOL
     from .orders import host_bounds, host_lengths
 
-    CALLS.entries.clear()
+    CALLS.clear()
     _TE_CACHE.clear()
     POOL.clear()
     host_bounds.clear()

@@ -91,11 +91,20 @@ def call_key(q, k, v, opts: AttentionOptions, group, ring_group, tensors: CallTe
 
 
 class CallCache:
-    """Prepared calls by :func:`call_key` (cleared when ``max_entries`` is reached)."""
+    """Prepared calls by :func:`call_key`, bounded: at most ``max_entries`` of them and ``max_bytes``
+    of the tensors they hold (routes, index permutations); the oldest go first.
 
-    def __init__(self, max_entries: int = 256):
+    ``check="every_call"``: besides the first call's validation, every call of a cached signature
+    agrees with its group on the signature first (one all-reduce of two integers): when the ranks'
+    calls differ -- shapes that change from call to call, one rank's but not its peer's -- every rank
+    validates this call again and raises the same ``ValueError`` instead of entering an all-to-all
+    of mismatched sizes (which gloo answers by aborting the process)."""
+
+    def __init__(self, max_entries: int = 256, max_bytes: int = 256 << 20):
         self.entries: dict = {}
-        self.max_entries = max_entries
+        self.sizes: dict = {}
+        self.max_entries, self.max_bytes = max_entries, max_bytes
+        self.held = 0
 
     def run(
         self,
@@ -107,7 +116,7 @@ class CallCache:
         ring_group,
         tensors: CallTensors = NO_TENSORS,
         head0: int = 0,
-        check: bool = True,
+        check=True,
         extra=None,
         kernel=None,
     ):
@@ -119,6 +128,8 @@ class CallCache:
         call = self.entries.get(key) if key is not None else None
         if call is None:
             call = self.prepare(key, q, k, v, opts, group, ring_group, tensors, head0, check, extra, kernel)
+        elif check == "every_call" and call.exchange and not agree(call.digest, group, q.device):
+            self._disagreement(q, k, v, opts, group, ring_group, tensors, extra)
         return call(q, k, v, tensors)
 
     def prepare(self, key, q, k, v, opts, group, ring_group, tensors, head0, check, extra, kernel=None):
@@ -130,14 +141,106 @@ class CallCache:
                 f"{'group' if degree < 1 else 'ring_group'} it was given; pass this rank's own group"
             )
         if check:
-            checked = {name: t for name, t in tensors._asdict().items() if name != "max_seqlen"}
-            check_call(q, k, v, opts, checked, dict(extra or ()), group, ring_group, degree, ring)
+            _validate(q, k, v, opts, tensors, extra, group, ring_group)
         call = PreparedCall(q, k, v, opts, group, ring_group, degree, ring, tensors, head0, kernel)
+        call.digest = digest(key)
         if key is not None:
-            if len(self.entries) >= self.max_entries:
-                self.entries.clear()
-            self.entries[key] = call
+            self._keep(key, call)
         return call
+
+    def _keep(self, key, call) -> None:
+        size = held_bytes(call)
+        while self.entries and (len(self.entries) >= self.max_entries or self.held + size > self.max_bytes):
+            old = next(iter(self.entries))  # the oldest signature
+            del self.entries[old]
+            self.held -= self.sizes.pop(old)
+        if size <= self.max_bytes:
+            self.entries[key], self.sizes[key] = call, size
+            self.held += size
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.sizes.clear()
+        self.held = 0
+
+    @staticmethod
+    def _disagreement(q, k, v, opts, group, ring_group, tensors, extra):
+        """Every rank of the group is here (the agreement's result is the same everywhere): the full
+        check names the difference, the same on every rank."""
+        _validate(q, k, v, opts, tensors, extra, group, ring_group)
+        raise ValueError(
+            "ulysses_attention: the ranks of the group called with different signatures (shapes, dtypes or "
+            "options) after their first calls were checked; call with the same shapes on every rank"
+        )
+
+
+def _validate(q, k, v, opts, tensors, extra, group, ring_group):
+    degree = 1 if group is None else dist.get_world_size(group)
+    ring = 1 if ring_group is None else dist.get_world_size(ring_group)
+    checked = {name: t for name, t in tensors._asdict().items() if name != "max_seqlen"}
+    check_call(q, k, v, opts, checked, dict(extra or ()), group, ring_group, degree, ring)
+
+
+def _stable(x):
+    """``x`` with what differs between processes for the same call made uniform (group objects by
+    size, devices by type, callables by name): the basis of :func:`digest`."""
+    if isinstance(x, (tuple, list)):
+        return tuple(_stable(y) for y in x)
+    if isinstance(x, torch.Size):
+        return tuple(x)
+    if isinstance(x, (torch.dtype, str, int, float, bool)) or x is None:
+        return str(x)
+    if isinstance(x, torch.device):
+        return x.type
+    if isinstance(x, dist.ProcessGroup):
+        return ("group", x.size())
+    if isinstance(x, AttentionOptions):
+        return tuple(
+            (f, _stable(getattr(x, f) if not callable(getattr(x, f)) else "callable")) for f in x.__dataclass_fields__
+        )
+    return type(x).__name__
+
+
+def digest(key) -> int:
+    """A call signature as a 62-bit integer, the same in every process for the same call."""
+    import hashlib
+
+    return int.from_bytes(hashlib.blake2b(repr(_stable(key)).encode(), digest_size=8).digest(), "little") >> 2
+
+
+def agree(value: int, group, device) -> bool:
+    """Whether every rank of ``group`` holds ``value`` (one all-reduce of two int64: max of v and -v)."""
+    dev = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    t = torch.tensor([value, -value], dtype=torch.int64, device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    high, neg_low = t.tolist()
+    return high == -neg_low
+
+
+def held_bytes(obj, depth: int = 6) -> int:
+    """Bytes of the tensors ``obj`` holds (its attributes, their attributes, closures), each storage once."""
+    seen, storages, total = set(), set(), 0
+    todo = [(obj, 0)]
+    while todo:
+        x, d = todo.pop()
+        if isinstance(x, torch.Tensor):
+            ptr = x.untyped_storage().data_ptr() if x.device.type != "meta" else id(x)
+            if ptr not in storages:
+                storages.add(ptr)
+                total += x.untyped_storage().nbytes()
+            continue
+        if d >= depth or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, (list, tuple)):
+            todo += [(y, d + 1) for y in x]
+        elif isinstance(x, dict):
+            todo += [(y, d + 1) for y in x.values()]
+        elif callable(x) and getattr(x, "__closure__", None):
+            todo += [(c.cell_contents, d + 1) for c in x.__closure__ if c.cell_contents is not None]
+        elif hasattr(x, "__dict__") and not isinstance(x, (type, dist.ProcessGroup, torch.nn.Module)):
+            todo += [(y, d + 1) for y in vars(x).values()]
+    return total
 
 
 def lse_columns(dtype: torch.dtype) -> int:

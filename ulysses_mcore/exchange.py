@@ -161,39 +161,57 @@ def _unreferenced(buf: torch.Tensor) -> bool:
 
 
 class BufferPool(threading.local):
-    """A free list of CPU buffers for the exchange, per thread.
+    """A free list of CPU buffers for the exchange, per thread, bounded in bytes.
 
     On the CPU every fresh multi-MB tensor costs a page fault per 4 KB on first touch
     (measured: 20 ms for 25 MB -- as long as the all-to-all itself), and glibc returns large
     blocks to the OS on free, so each call would pay it again.  A buffer is handed out (as a
     view) only when nothing else references its storage any more, else a new one is allocated
-    and kept (up to ``per_size`` per shape).  CUDA tensors bypass it (the caching allocator does
-    this), and so do buffers under ``min_bytes``.  ``enabled = False`` turns it off; :meth:`clear`
-    returns the memory."""
+    and kept (up to ``per_size`` per shape) while the pool holds at most ``max_bytes``: past that,
+    the shapes used longest ago are dropped first (their buffers are freed once nothing else uses
+    them), so shapes that change from call to call keep memory flat.  CUDA tensors bypass it (the
+    caching allocator does this), and so do buffers under ``min_bytes``.  ``enabled = False``
+    turns it off; :meth:`clear` returns the memory."""
 
     per_size = 64
     min_bytes = 1 << 17  # below glibc's mmap threshold (128 KB) malloc reuses its heap: nothing to save
+    max_bytes = 1 << 30
 
     def __init__(self):
-        self.free_lists: dict = {}
+        self.free_lists: dict = {}  # (shape, dtype) -> buffers, the shape used last at the end
+        self.held = 0
         self.enabled = hasattr(torch._C, "_storage_Use_Count")
 
     def take(self, shape: tuple, dtype, device: torch.device) -> torch.Tensor:
-        if not self.enabled or device.type != "cpu" or math.prod(shape) * dtype.itemsize < self.min_bytes:
+        nbytes = math.prod(shape) * dtype.itemsize
+        if not self.enabled or device.type != "cpu" or nbytes < self.min_bytes:
             return torch.empty(shape, dtype=dtype, device=device)
-        bufs = self.free_lists.get((shape, dtype))
+        key = (shape, dtype)
+        bufs = self.free_lists.pop(key, None)
         if bufs is None:
-            bufs = self.free_lists[(shape, dtype)] = []
+            bufs = []
+        self.free_lists[key] = bufs  # now the most recently used shape
         for buf in bufs:
             if _unreferenced(buf):
                 return buf.view(shape)
         buf = torch.empty(shape, dtype=dtype, device=device)
-        if len(bufs) < self.per_size:
+        if len(bufs) < self.per_size and self._room(nbytes, key):
             bufs.append(buf)
+            self.held += nbytes
         return buf.view(shape)
+
+    def _room(self, nbytes: int, key) -> bool:
+        """Drop the shapes used longest ago (not ``key``) until ``nbytes`` more fit under ``max_bytes``."""
+        for old in list(self.free_lists):
+            if self.held + nbytes <= self.max_bytes or old == key:
+                break
+            for buf in self.free_lists.pop(old):
+                self.held -= buf.numel() * buf.element_size()
+        return self.held + nbytes <= self.max_bytes
 
     def clear(self):
         self.free_lists.clear()
+        self.held = 0
 
 
 POOL = BufferPool()

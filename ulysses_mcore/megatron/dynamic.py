@@ -94,6 +94,10 @@ class DynamicGroups:
         """This rank's group for ``cell`` (``None`` for a cell of one rank)."""
         return None if cell.degree == 1 else self._mine[(cell.first, cell.degree)]
 
+    def mine(self) -> list:
+        """The groups this rank is in."""
+        return list(self._mine.values())
+
     def destroy(self) -> None:
         for g in self._mine.values():
             dist.destroy_process_group(g)
@@ -131,7 +135,23 @@ class DynamicBatches:
             bucket=self.bucket,
         )
         self.last = describe(schedule, lengths, time.perf_counter() - t0)
+        self._agree(lengths)
         return [self._cell(stream, cu, lengths, c) for c in schedule.cells_of(self.groups.index)]
+
+    def _agree(self, lengths) -> None:
+        """One all-reduce a step over the ranks that share this placement: they must have read the same
+        documents (else their cells' shapes differ and an all-to-all would abort the process)."""
+        from megatron.core import parallel_state as ps
+
+        from ..call import agree, digest
+        from .training import training_device
+
+        if not agree(digest(tuple(lengths)), ps.get_data_parallel_group(), training_device()):
+            raise ValueError(
+                "--dynamic-ulysses: the ranks read different global batches (their documents' lengths differ), "
+                "so their placements differ; every rank must read the same data (the same --data-path, --split "
+                "and --seed on every rank)"
+            )
 
     def _cell(self, stream, cu, lengths, cell: Cell) -> Dict:
         """This rank's contiguous share of ``cell``'s packed stream (its documents, then one pad document)."""

@@ -107,6 +107,11 @@ def add_ulysses_args(parser):
         help="inner attention kernel (auto: TE with TE specs, SDPA otherwise)",
     )
     g.add_argument(
+        "--dynamic-ulysses",
+        action="store_true",
+        help="refused here: a degree per document runs in the project's trainer (ulysses-mcore pretrain)",
+    )
+    g.add_argument(
         "--loss-chunk-tokens",
         type=int,
         default=None,
@@ -145,11 +150,22 @@ def fold_args(args):
     return args
 
 
+DYNAMIC_REFUSED = (
+    "--dynamic-ulysses does not run through Megatron-LM's pretrain_gpt.py: a degree per document needs every "
+    "rank to read and place the whole global batch and a group per micro-batch, while Megatron-LM's data loader "
+    "hands each data-parallel rank its own micro-batches for one fixed context-parallel group. Run the same flags "
+    "with the project's trainer instead: torchrun ... ulysses-mcore pretrain --ulysses-degree U --dynamic-ulysses "
+    "--reset-attention-mask (docs/dynamic.md)"
+)
+
+
 def _check_flags(args):
     """``(ulysses, ring)`` degrees of the flags, or the ``ValueError`` that names the flag."""
     u = getattr(args, "ulysses_degree", 1) or 1
     if u < 1:
         raise ValueError(f"--ulysses-degree must be >= 1, got {u}")
+    if getattr(args, "dynamic_ulysses", False):
+        raise ValueError(DYNAMIC_REFUSED)
     for flag in ("loss_chunk_tokens", "mlp_chunk_tokens"):
         v = getattr(args, flag, None)
         if v is not None and v < 1:

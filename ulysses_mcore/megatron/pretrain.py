@@ -451,7 +451,10 @@ class _Timing:
         from .timing import StepTimer
 
         reg = state.registry()
-        self.timer = StepTimer(reg.ulysses_group, reg.ring_group).install(model, optimizer)
+        a2a = reg.ulysses_group
+        if getattr(args, "dynamic_groups", None) is not None:  # every degree's groups this rank is in
+            a2a = args.dynamic_groups.mine()
+        self.timer = StepTimer(a2a, reg.ring_group).install(model, optimizer)
         os.makedirs(metrics_dir(args), exist_ok=True)
         path = os.path.join(metrics_dir(args), f"timing_rank{dist.get_rank()}.jsonl")
         self.fh = open(path, "a" if args.load else "w")  # a resumed run continues the file

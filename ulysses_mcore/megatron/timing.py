@@ -9,7 +9,9 @@ Phases, per rank and iteration, in seconds:
   backward from the gradient of its output to the gradients of q, k, v) less the all-to-alls
   and ring shifts inside it;
 * ``mlp``: the MLP modules, forward and backward;
-* ``optimizer``: the optimizer step (gradient clipping and the update).
+* ``optimizer``: the optimizer step (gradient clipping and the update);
+* ``cpu``: the process's CPU time in the iteration (its busy time on a CPU, waits excluded), and
+  ``peak_gb``: the peak memory so far (CUDA's allocated peak, else the process's resident peak).
 
 Nothing in the package's hot path knows about it: the collectives are observed by wrapping
 ``torch.distributed.all_to_all_single`` while a :class:`StepTimer` is installed, modules by
@@ -36,11 +38,22 @@ def _now() -> float:
     return time.perf_counter()
 
 
+def _peak_gb() -> float:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_allocated() / 1e9
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+
+
 class StepTimer:
     """Phase times and bytes of the current iteration; :meth:`take` returns and resets them."""
 
     def __init__(self, ulysses_group=None, ring_group=None):
-        self.groups = {"a2a": ulysses_group, "ring": ring_group}
+        """``ulysses_group``: a group, or a list of them (``--dynamic-ulysses``: every degree's)."""
+        a2a = list(ulysses_group) if isinstance(ulysses_group, (list, tuple)) else [ulysses_group]
+        self.groups = [("a2a", g) for g in a2a] + [("ring", ring_group)]
+        self._cpu = time.process_time()
         self.times: Dict[str, float] = dict.fromkeys(PHASES, 0.0)
         self.bytes: Dict[str, int] = {"a2a": 0, "ring": 0}
         self._inside_attention = 0.0  # collective time spent inside an attention module, to subtract
@@ -88,6 +101,8 @@ class StepTimer:
     def take(self) -> dict:
         """This iteration's phase times (s) and bytes sent, then zeros for the next."""
         out = {**{f"{k}_s": v for k, v in self.times.items()}, **{f"{k}_bytes": v for k, v in self.bytes.items()}}
+        cpu, self._cpu = self._cpu, time.process_time()
+        out["cpu_s"], out["peak_gb"] = self._cpu - cpu, _peak_gb()
         self.times = dict.fromkeys(PHASES, 0.0)
         self.bytes = {"a2a": 0, "ring": 0}
         return out
@@ -99,7 +114,7 @@ class StepTimer:
         key = id(group)
         if key not in self._kinds:
             self._kinds[key] = None
-            for kind, g in self.groups.items():
+            for kind, g in self.groups:
                 try:
                     same = g is group or (
                         group is not None

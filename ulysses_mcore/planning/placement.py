@@ -152,7 +152,8 @@ def _round_up(n: int, m: int) -> int:
 
 
 def _per_rank(tokens: int, degree: int, cap: int, bucket: int) -> int:
-    return min(cap, _round_up(math.ceil(tokens / degree), bucket)) if degree > 1 else tokens
+    """A rank's tokens of a cell: its share rounded up to the bucket, never past the load."""
+    return min(cap, _round_up(math.ceil(tokens / degree), bucket))
 
 
 def _pack_cells(lengths, docs: List[int], degree: int, cap: int) -> List[List[int]]:
@@ -181,9 +182,10 @@ def place(
     bucket: int = 1,
 ) -> Schedule:
     """The placement of documents of ``lengths`` on ``ranks`` ranks (a multiple of ``max_degree``,
-    a power of two), at most ``cap`` tokens a rank in a micro-batch; the per-rank length of a cell
-    of degree > 1 is rounded up to a multiple of ``bucket`` (never past ``cap``) so a run sees few
-    shapes.  Deterministic: every rank computes the same schedule from the same lengths."""
+    a power of two), at most ``cap`` tokens a rank in a micro-batch; the per-rank length of every
+    cell is rounded up to a multiple of ``bucket`` (never past ``cap``) so a run sees few shapes
+    (prepared calls, exchange buffers and the allocator's blocks stay few).  Deterministic: every
+    rank computes the same schedule from the same lengths."""
     _check(ranks, max_degree, cap, bucket)
     degrees = [degree_for(L, cap, max_degree) for L in lengths]
     clock, busy = [0.0] * ranks, [0.0] * ranks
@@ -207,7 +209,7 @@ def place(
     for r in range(ranks):
         for docs in _spread(lengths, bins[r], slots - len(per_rank[r])):
             tokens = sum(lengths[i] for i in docs)
-            per_rank[r].append(Cell(-1, r, 1, tuple(sorted(docs)), tokens, tokens))
+            per_rank[r].append(Cell(-1, r, 1, tuple(sorted(docs)), tokens, _per_rank(tokens, 1, cap, bucket)))
             clock[r] += costs.cell
     return Schedule(ranks, per_rank, degrees, clock, busy)
 
@@ -261,4 +263,48 @@ def _check(ranks: int, max_degree: int, cap: int, bucket: int) -> None:
         raise ValueError(f"the per-rank load ({cap}) and the bucket ({bucket}) must be positive")
 
 
-__all__ = ["Costs", "Cell", "Schedule", "PlacementError", "degree_for", "place"]
+# --------------------------------------------------------------------------- predictions
+def samples_of(lengths: Sequence[int], seq: int, count: int) -> List[List[int]]:
+    """``count`` samples of ``seq`` tokens cut from the documents of ``lengths`` (each followed by
+    its end-of-document token) laid end to end, as Megatron's GPTDataset does; the documents'
+    lengths within each sample (a document crossing a sample's end is cut there)."""
+    out: List[List[int]] = []
+    cur: List[int] = []
+    room = seq
+    i = 0
+    while len(out) < count:
+        left = lengths[i % len(lengths)] + 1
+        i += 1
+        while left:
+            take = min(left, room)
+            cur.append(take)
+            left, room = left - take, room - take
+            if room == 0:
+                out.append(cur)
+                cur, room = [], seq
+                if len(out) == count:
+                    break
+    return out
+
+
+def step_times(samples: List[List[int]], *, ranks: int, max_degree: int, costs: Costs) -> Dict[str, float]:
+    """The cost model's step time (busiest rank) of a global batch ``samples`` on ``ranks`` ranks:
+    the fixed degree ``max_degree`` (data-parallel groups take contiguous samples), degree 1 (every
+    rank whole samples) and the dynamic placement."""
+    seq = sum(samples[0])
+    dp = ranks // max_degree
+
+    def fixed(degree: int, groups: int) -> float:
+        per = len(samples) // groups
+        return max(
+            sum(costs.document(L, degree) for s in samples[g * per : (g + 1) * per] for L in s) + per * costs.cell
+            for g in range(groups)
+        )
+
+    schedule = place(
+        [L for s in samples for L in s], ranks=ranks, max_degree=max_degree, cap=seq // max_degree, costs=costs
+    )
+    return {"fixed": fixed(max_degree, dp), "degree 1": fixed(1, ranks), "dynamic": max(schedule.finish)}
+
+
+__all__ = ["Costs", "Cell", "Schedule", "PlacementError", "degree_for", "place", "samples_of", "step_times"]

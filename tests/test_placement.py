@@ -1,0 +1,123 @@
+"""The placement of ``--dynamic-ulysses`` (pure): every token placed once, no rank over its load,
+aligned power-of-two blocks, one global order of group cells, the same slots on every rank."""
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ulysses_mcore.planning.mix import long_tailed_lengths
+from ulysses_mcore.planning.placement import (
+    Costs,
+    PlacementError,
+    degree_for,
+    place,
+    samples_of,
+    step_times,
+)
+
+COSTS = Costs(token=1.0, pair=0.01, exchanged=0.5, cell=3.0)
+
+
+def check(schedule, lengths, *, ranks, max_degree, cap, bucket=1):
+    """Every property a schedule must have; raises AssertionError naming the first broken one."""
+    cells = schedule.cells()
+    placed = sorted(i for c in cells for i in c.docs)
+    assert placed == list(range(len(lengths))), "every document exactly once"
+    for c in cells:
+        assert c.degree & (c.degree - 1) == 0 and c.degree <= max_degree
+        assert c.first % c.degree == 0 and c.first + c.degree <= ranks, "an aligned block"
+        assert c.tokens == sum(lengths[i] for i in c.docs)
+        assert c.per_rank * c.degree >= c.tokens and c.pad >= 0
+        assert c.per_rank <= cap, "no rank holds more than the fixed degree's load"
+        assert all(schedule.degrees[i] == c.degree for i in c.docs), "a document at its own degree"
+        assert c.per_rank - math.ceil(c.tokens / c.degree) < bucket
+        assert c.per_rank % bucket == 0 or c.per_rank == cap
+    for r in range(ranks):
+        mine = schedule.cells_of(r)
+        assert all(r in c.ranks for c in mine)
+        orders = [c.order for c in mine if c.degree > 1]
+        assert orders == sorted(orders), "group cells in the one global order"
+        assert all(c.degree == 1 for c in mine[len(orders) :]), "group cells first, then whole documents"
+    for c in cells:  # a group cell is run by exactly its members
+        assert sum(c in schedule.cells_of(r) for r in range(ranks)) == c.degree
+    for d, L in zip(schedule.degrees, lengths):
+        assert math.ceil(L / d) <= cap and (d == 1 or math.ceil(L / (d // 2)) > cap), "the smallest degree"
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.integers(1, 1024), min_size=1, max_size=80),
+    st.sampled_from([(1, 1), (2, 2), (4, 2), (4, 4), (8, 4), (8, 8)]),
+    st.sampled_from([1, 16, 64]),
+)
+def test_every_schedule_keeps_every_rule(lengths, layout, bucket):
+    ranks, max_degree = layout
+    cap = 1024 // max_degree
+    s = place(lengths, ranks=ranks, max_degree=max_degree, cap=cap, costs=COSTS, bucket=bucket)
+    check(s, lengths, ranks=ranks, max_degree=max_degree, cap=cap, bucket=bucket)
+    assert s == place(lengths, ranks=ranks, max_degree=max_degree, cap=cap, costs=COSTS, bucket=bucket)
+
+
+def test_every_rank_runs_the_same_slots_when_it_has_documents_to_split():
+    lengths = long_tailed_lengths(300, seed=3, median=60, longest=1024)
+    s = place(lengths, ranks=4, max_degree=4, cap=256, costs=COSTS, bucket=16)
+    check(s, lengths, ranks=4, max_degree=4, cap=256, bucket=16)
+    assert {len(s.cells_of(r)) for r in range(4)} == {s.slots}
+    assert {1, 2, 4} <= set(s.degrees)
+
+
+def test_balanced_by_the_cost_model_and_exchanges_only_long_documents():
+    lengths = long_tailed_lengths(400, seed=1, median=100, longest=2048, whole_every=100)
+    cap = 512
+    s = place(lengths, ranks=8, max_degree=4, cap=cap, costs=COSTS, bucket=32)
+    assert max(s.finish) / (sum(s.work) / len(s.work)) < 1.05
+    long_tokens = sum(L for L in lengths if L > cap)
+    assert s.exchanged_tokens() - long_tokens < 0.1 * long_tokens  # only what must, plus pad
+    assert s.exchanged_tokens() < 0.5 * sum(lengths)
+
+
+def test_a_document_longer_than_the_largest_degree_holds_is_refused_with_the_fix():
+    with pytest.raises(PlacementError) as e:
+        degree_for(5000, cap=1024, max_degree=4)
+    msg = str(e.value)
+    assert "5000 tokens" in msg and "per-rank load 1024" in msg and "--ulysses-degree 8" in msg
+    assert "--micro-batch-size" in msg
+    with pytest.raises(PlacementError):
+        place([10, 5000], ranks=4, max_degree=4, cap=1024)
+
+
+@pytest.mark.parametrize(
+    "kw,needle",
+    [
+        (dict(ranks=4, max_degree=3, cap=8), "power of two"),
+        (dict(ranks=6, max_degree=4, cap=8), "not a multiple of --ulysses-degree 4"),
+        (dict(ranks=4, max_degree=4, cap=0), "must be positive"),
+    ],
+)
+def test_bad_layouts_are_named(kw, needle):
+    with pytest.raises(ValueError, match=needle):
+        place([1, 2, 3], **kw)
+
+
+def test_cost_model_prefers_splitting_quadratic_work():
+    c = Costs(token=1.0, pair=0.1, exchanged=0.0)
+    assert c.document(1000, 2) == pytest.approx(c.document(1000, 1) / 2)
+    assert Costs(token=1.0, exchanged=1.0).document(100, 4) > Costs(token=1.0).document(100, 4)
+
+
+def test_samples_are_cut_like_megatrons_dataset_and_predictions_cover_three_modes():
+    samples = samples_of([10, 30, 5], seq=16, count=4)
+    assert all(sum(s) == 16 for s in samples)
+    assert samples[0] == [11, 5]  # 10 + its end-of-document token, then the next document's first 5
+    t = step_times(samples_of(long_tailed_lengths(100, longest=256), 256, 8), ranks=4, max_degree=4, costs=COSTS)
+    assert set(t) == {"fixed", "degree 1", "dynamic"} and all(v > 0 for v in t.values())
+
+
+def test_the_mix_rule_is_seeded_and_long_tailed():
+    a = long_tailed_lengths(500, seed=5, median=200, longest=4096, whole_every=25)
+    assert a == long_tailed_lengths(500, seed=5, median=200, longest=4096, whole_every=25)
+    assert a != long_tailed_lengths(500, seed=6, median=200, longest=4096, whole_every=25)
+    assert a.count(4096) >= 20 and min(a) >= 8 and max(a) <= 4096
+    assert sorted(a)[250] < 400  # most documents short

@@ -1,0 +1,126 @@
+#!/usr/bin/env python3
+"""``--dynamic-ulysses`` on a long-tailed document mix: tokens/s, all-to-all bytes, busy time, memory.
+
+    python tools/bench_dynamic.py [--worlds 2,4] [--runs 3] [--seq-length 4096] [--out runs/bench]
+
+The mix: :mod:`ulysses_mcore.planning.mix`'s seeded rule through ``ulysses-mcore preprocess``,
+``--mix heavy`` (log-normal lengths, median 200, sigma 1.2, every 25th document a whole sample) or
+``light`` (sigma 1.0, every 100th).  For each world
+``W`` and each run, three trainings of the same global batches (``ulysses-mcore pretrain
+--reset-attention-mask --timing``, the tiny model: 2 layers, hidden 128, 8 heads): the fixed degree
+``W``; degree 1 (pure data parallelism: every rank whole samples, no exchange); and
+``--dynamic-ulysses`` with ``--ulysses-degree W``.  Per training: median tokens/s after two
+warm-up iterations, all-to-all bytes a step (all ranks), busy time max / mean over ranks (each
+rank's CPU time in the step), peak memory (the largest rank's), and the loss line.  Then the cost
+model's prediction for the same mix at 128K tokens a sample on 8-64 H200s (degree 8 in a node).
+Writes ``bench_dynamic_<mix>.json``, ``.md`` and ``.png`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import glob
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from tools.bench_dynamic_report import predict_gpus, write_report  # noqa: E402
+
+MODEL = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "8", "--num-query-groups", "4"]
+MIXES = {  # name -> the rule's parameters (ulysses_mcore.planning.mix)
+    "heavy": dict(median=200, sigma=1.2, whole_every=25),  # a whole-sample document every 25th
+    "light": dict(median=200, sigma=1.0, whole_every=100),  # a few whole-sample documents
+}
+MODES = {  # name -> flags beside the world's degree W
+    "fixed": lambda W: ["--ulysses-degree", str(W)],
+    "degree 1": lambda W: ["--ulysses-degree", "1"],
+    "dynamic": lambda W: ["--ulysses-degree", str(W), "--dynamic-ulysses"],
+}
+
+
+def make_mix(folder: str, seq: int, documents: int, mix: dict) -> str:
+    """The seeded long-tailed mix as Megatron's indexed dataset; returns its prefix."""
+    from ulysses_mcore.planning.mix import long_tailed_lengths, write_jsonl
+
+    path = os.path.join(folder, "mix.jsonl")
+    write_jsonl(path, long_tailed_lengths(documents, seed=1, longest=seq, **mix), seed=1)
+    prefix = os.path.join(folder, "mix")
+    command = os.path.join(os.path.dirname(sys.executable), "ulysses-mcore")
+    subprocess.run([command, "preprocess", "--input", path, "--output-prefix", prefix], check=True, capture_output=True)
+    return prefix
+
+
+def train(world: int, flags, a, prefix: str, log_dir: str) -> dict:
+    """One training run under torchrun; its measurements."""
+    bindir = os.path.dirname(sys.executable)
+    cmd = [os.path.join(bindir, "torchrun"), "--nproc-per-node", str(world), "--no-python"]
+    cmd += [os.path.join(bindir, "ulysses-mcore"), "pretrain", *MODEL, *flags, "--reset-attention-mask"]
+    cmd += ["--seq-length", str(a.seq_length), "--micro-batch-size", "1", "--global-batch-size", str(2 * world)]
+    cmd += ["--train-iters", str(a.iters), "--lr-warmup-iters", "1", "--data-path", prefix, "--split", "100,0,0"]
+    cmd += ["--timing", "--log-dir", log_dir]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=log_dir)
+    if r.returncode:
+        raise SystemExit(f"error: {' '.join(flags)} at world {world} failed:\n{r.stderr[-3000:]}")
+    return measure(log_dir, r.stdout)
+
+
+def measure(log_dir: str, stdout: str) -> dict:
+    with open(os.path.join(log_dir, "metrics.csv")) as f:
+        rows = [x for x in csv.DictReader(f) if x["kind"] == "train"]
+    ranks = []
+    for path in sorted(glob.glob(os.path.join(log_dir, "timing_rank*.jsonl"))):
+        with open(path) as f:
+            ranks.append([json.loads(line) for line in f][2:])
+    steps = range(len(ranks[0]))
+    busy = [max(r[i]["cpu_s"] for r in ranks) / statistics.mean(r[i]["cpu_s"] for r in ranks) for i in steps]
+    sched = [ln for ln in stdout.splitlines() if "dynamic:" in ln]
+    return {
+        "tokens_per_second": statistics.median(float(x["tokens_per_second"]) for x in rows[2:]),
+        "a2a_bytes_per_step": statistics.mean(sum(r[i]["a2a_bytes"] for r in ranks) for i in steps),
+        "busy_max_over_mean": statistics.mean(busy),
+        "peak_gb": max(r[-1]["peak_gb"] for r in ranks),
+        "losses": [float(x["lm_loss"]) for x in rows],
+        "schedule": sched[-1].strip() if sched else "",
+    }
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--worlds", default="2,4")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--seq-length", type=int, default=4096)
+    p.add_argument("--iters", type=int, default=8)
+    p.add_argument("--documents", type=int, default=1500)
+    p.add_argument("--mix", choices=sorted(MIXES), default="heavy")
+    p.add_argument("--out", default="runs/bench")
+    a = p.parse_args(argv)
+    work = tempfile.mkdtemp(prefix="bench_dynamic_")
+    prefix = make_mix(work, a.seq_length, a.documents, MIXES[a.mix])
+    results = []
+    worlds = [int(w) for w in a.worlds.split(",")]
+    total, done = len(worlds) * a.runs * len(MODES), 0
+    for world in worlds:
+        for run in range(a.runs):
+            for mode, flags in MODES.items():
+                done += 1
+                print(f"[{done}/{total}] world {world}, run {run + 1}: {mode} ...", file=sys.stderr, flush=True)
+                log_dir = os.path.join(work, f"w{world}_r{run}_{mode.replace(' ', '')}")
+                os.makedirs(log_dir)
+                results.append(
+                    {"world": world, "run": run, "mode": mode, **train(world, flags(world), a, prefix, log_dir)}
+                )
+    setup = dict(vars(a), rule=MIXES[a.mix], model=" ".join(MODEL))
+    write_report(a.out, setup, results, predict_gpus(MIXES[a.mix]), name=f"bench_dynamic_{a.mix}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
