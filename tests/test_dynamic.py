@@ -55,7 +55,11 @@ def _world(n, cases, d, prefix):
     listed = []
     for name, argv in cases.items():
         argv = SMALL + ["--data-path", prefix, "--log-dir", str(d / name)] + [a.format(d=d) for a in argv]
-        listed.append({"name": name, "argv": argv, "port": free_port()})
+        case = {"name": name, "argv": argv, "port": free_port()}
+        if "--load" in argv:  # resume at iteration 5 of the 10 the saving run kept
+            ckpt = argv[argv.index("--load") + 1]
+            case["write"] = {os.path.join(ckpt, "latest_checkpointed_iteration.txt"): "5"}
+        listed.append(case)
     (d / f"cases{n}.json").write_text(json.dumps(listed))
     out = d / f"out{n}"
     out.mkdir()

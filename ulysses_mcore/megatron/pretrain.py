@@ -99,8 +99,8 @@ def main(argv=None):
     finally:
         from ulysses_mcore.megatron import groups
 
-        if getattr(args, "dynamic_groups", None) is not None:
-            args.dynamic_groups.destroy()
+        if run.groups is not None:
+            run.groups.destroy()
         groups.destroy()
         dist.destroy_process_group()
 
@@ -111,6 +111,7 @@ class Run:
 
     def __init__(self):
         self.started = time.time()
+        self.groups = None  # --dynamic-ulysses: every degree's groups (megatron.dynamic.DynamicGroups)
         self.signalled = False
         self.iteration = 0
         self.consumed = 0
@@ -119,15 +120,15 @@ class Run:
 def train(args, topo, use_cuda, run: Run):
     """Megatron-LM's pretraining loop in named steps: start-up, data, model, resume, then
     iterations (train step, log, evaluate, save, exit checks)."""
-    _initialize(args, topo)
+    run.groups = _initialize(args, topo)
     if args.load:  # every check of the checkpoint before any work: the same error on every rank
         checkpoint = inspect_checkpoint(args)
-    data = _Data(args)
+    data = _Data(args, run.groups)
     model, optimizer, scheduler = _build_model(args)
     if args.load:
         _resume(args, run, checkpoint, model, optimizer, scheduler)
     log = _Metrics(args, run.iteration) if _is_logging_rank() else None
-    timer = _Timing(args, model, optimizer) if args.timing else None
+    timer = _Timing(args, model, optimizer, run.groups) if args.timing else None
     data.announce(run.consumed)
     reason = None
     save = functools.partial(
@@ -164,6 +165,7 @@ def _is_logging_rank() -> bool:
 
 
 def _initialize(args, topo):
+    """Megatron's groups (and with --dynamic-ulysses every degree's groups, returned; else None)."""
     import ulysses_mcore
     from megatron.core import tensor_parallel
 
@@ -183,7 +185,7 @@ def _initialize(args, topo):
     if dynamic:
         from .dynamic import DynamicGroups
 
-        args.dynamic_groups = DynamicGroups(topo.world_size, topo.tp, topo.ulysses)
+        groups = DynamicGroups(topo.world_size, topo.tp, topo.ulysses)
         if dist.get_rank() == 0:
             print(
                 f"[ulysses-mcore] --dynamic-ulysses: a degree per document from 1 to {topo.ulysses} over the "
@@ -191,12 +193,14 @@ def _initialize(args, topo):
                 f"(Megatron's data-parallel size {topo.world_size // topo.tp}, context-parallel size 1)",
                 flush=True,
             )
+        return groups
+    return None
 
 
 class _Data:
     """Megatron's GPTDataset over the corpus, global-batch samplers, and the sharding of a batch."""
 
-    def __init__(self, args):
+    def __init__(self, args, groups=None):
         from megatron.core import parallel_state as ps
 
         from ulysses_mcore.megatron import data as D
@@ -229,7 +233,7 @@ class _Data:
             if args.reset_attention_mask
             else dict(seq_length=seq, micro_batch_size=mbs)
         )
-        self.dynamic = _dynamic_batches(args, self.tok) if args.dynamic_ulysses else None
+        self.dynamic = _dynamic_batches(args, self.tok, groups) if groups is not None else None
 
     def shard(self, mbs):
         from ulysses_mcore.megatron.batch import pack_batch, reset_position_ids, shard_batch
@@ -258,12 +262,12 @@ class _Data:
             )
 
 
-def _dynamic_batches(args, tok):
+def _dynamic_batches(args, tok, groups):
     from .dynamic import DynamicBatches, costs_of, default_bucket
 
     cap = args.micro_batch_size * args.seq_length // args.ulysses_degree
     return DynamicBatches(
-        args.dynamic_groups,
+        groups,
         cap=cap,
         costs=costs_of(args),
         bucket=args.dynamic_bucket or default_bucket(cap),
@@ -443,7 +447,7 @@ class _Timing:
     """``--timing``: each iteration's phase times and bytes sent (:mod:`.timing`), one JSON line per
     iteration in ``timing_rank<R>.jsonl`` beside metrics.csv, on every rank."""
 
-    def __init__(self, args, model, optimizer):
+    def __init__(self, args, model, optimizer, groups=None):
         import json
 
         from ulysses_mcore import state
@@ -452,8 +456,8 @@ class _Timing:
 
         reg = state.registry()
         a2a = reg.ulysses_group
-        if getattr(args, "dynamic_groups", None) is not None:  # every degree's groups this rank is in
-            a2a = args.dynamic_groups.mine()
+        if groups is not None:  # --dynamic-ulysses: every degree's groups this rank is in
+            a2a = groups.mine()
         self.timer = StepTimer(a2a, reg.ring_group).install(model, optimizer)
         os.makedirs(metrics_dir(args), exist_ok=True)
         path = os.path.join(metrics_dir(args), f"timing_rank{dist.get_rank()}.jsonl")
