@@ -42,8 +42,9 @@ def check(schedule, lengths, *, ranks, max_degree, cap, bucket=1):
         assert all(c.degree == 1 for c in mine[len(orders) :]), "group cells first, then whole documents"
     for c in cells:  # a group cell is run by exactly its members
         assert sum(c in schedule.cells_of(r) for r in range(ranks)) == c.degree
-    for d, L in zip(schedule.degrees, lengths):
-        assert math.ceil(L / d) <= cap and (d == 1 or math.ceil(L / (d // 2)) > cap), "the smallest degree"
+    for c in cells:  # each document at the smallest degree that fits it, or at a cell's with room for it
+        least = [degree_for(lengths[i], cap, max_degree) for i in c.docs]
+        assert max(least) == c.degree, "a cell's degree is its largest document's"
 
 
 @settings(max_examples=150, deadline=None)

@@ -15,7 +15,8 @@ Placement (:func:`place`), a list schedule over the cost model's clock of each r
    ``cap = micro-batch-size x seq-length / U`` (so no rank ever holds more tokens than at the fixed
    degree ``U``); a document that does not fit at ``U`` is refused (:class:`PlacementError`);
 2. documents of degree ``d > 1`` are packed first-fit-decreasing into cells of degree ``d`` (at most
-   ``cap`` tokens a rank, padding included);
+   ``cap`` tokens a rank, padding included), highest degree first; a document joins a cell of a
+   higher degree when it has room (exchanged either way; a cell less is a micro-batch less);
 3. those cells, largest degree first and then most work first, each go to the aligned block that is
    free first (its members run them in this one global order: no two groups wait on each other);
 4. whole documents (degree 1), longest first, each go to the rank that is free first; each rank's
@@ -156,20 +157,20 @@ def _per_rank(tokens: int, degree: int, cap: int, bucket: int) -> int:
     return min(cap, _round_up(math.ceil(tokens / degree), bucket))
 
 
-def _pack_cells(lengths, docs: List[int], degree: int, cap: int) -> List[List[int]]:
-    """First-fit decreasing of documents of one degree into cells of ``degree x cap`` tokens."""
-    bins: List[List[int]] = []
-    room: List[int] = []
-    for i in sorted(docs, key=lambda i: -lengths[i]):
-        for b, free in enumerate(room):
-            if math.ceil((degree * cap - free + lengths[i]) / degree) <= cap:
-                bins[b].append(i)
-                room[b] -= lengths[i]
+def _pack_cells(lengths, degrees: List[int], cap: int) -> List[List]:
+    """First-fit decreasing of the documents of degree > 1 into cells ``[degree, tokens, docs]`` of at
+    most ``degree x cap`` tokens, highest degree first: a document may join a cell of a higher degree
+    that has room (it is exchanged either way, and one cell is one micro-batch less)."""
+    cells: List[List] = []
+    for i in sorted((i for i, g in enumerate(degrees) if g > 1), key=lambda i: (-degrees[i], -lengths[i], i)):
+        for c in cells:
+            if c[0] >= degrees[i] and math.ceil((c[1] + lengths[i]) / c[0]) <= cap:
+                c[1] += lengths[i]
+                c[2].append(i)
                 break
         else:
-            bins.append([i])
-            room.append(degree * cap - lengths[i])
-    return bins
+            cells.append([degrees[i], lengths[i], [i]])
+    return cells
 
 
 def place(
@@ -190,7 +191,7 @@ def place(
     degrees = [degree_for(L, cap, max_degree) for L in lengths]
     clock, busy = [0.0] * ranks, [0.0] * ranks
     per_rank: List[List[Cell]] = [[] for _ in range(ranks)]
-    for order, (work, d, docs) in enumerate(_group_cells(lengths, degrees, max_degree, cap, costs)):
+    for order, (work, d, docs) in enumerate(_group_cells(lengths, degrees, cap, costs)):
         first = min(range(0, ranks, d), key=lambda f: (max(clock[f : f + d]), f))  # the block free first
         end = max(clock[first : first + d]) + work
         tokens = sum(lengths[i] for i in docs)
@@ -214,14 +215,14 @@ def place(
     return Schedule(ranks, per_rank, degrees, clock, busy)
 
 
-def _group_cells(lengths, degrees, max_degree: int, cap: int, costs: Costs):
-    """(work a rank, degree, documents) of every cell of degree > 1, largest degree first, then most work."""
+def _group_cells(lengths, degrees, cap: int, costs: Costs):
+    """(work a rank, degree, documents) of every cell of degree > 1, largest degree first, then most
+    work; each document's entry in ``degrees`` becomes the degree it runs at (its cell's)."""
     out = []
-    d = max_degree
-    while d > 1:
-        for docs in _pack_cells(lengths, [i for i, g in enumerate(degrees) if g == d], d, cap):
-            out.append((sum(costs.document(lengths[i], d) for i in docs) + costs.cell, d, docs))
-        d //= 2
+    for d, _, docs in _pack_cells(lengths, degrees, cap):
+        for i in docs:
+            degrees[i] = d
+        out.append((sum(costs.document(lengths[i], d) for i in docs) + costs.cell, d, docs))
     return sorted(out, key=lambda g: (-g[1], -g[0], g[2]))
 
 
