@@ -143,6 +143,8 @@ REFUSED = [
     ),
     (DYN + ["--attention-backend", "te"], "sdpa or flash"),
     (DYN + ["--dynamic-bucket", "0"], "--dynamic-bucket"),
+    (DYN + ["--dynamic-calibration", "/nonexistent/fit.json"], "cannot read it"),
+    (DYN + ["--dynamic-calibration", os.path.join(ROOT, "README.md")], "not a calibration"),
 ]  # fmt: skip
 
 

@@ -9,7 +9,7 @@ from typing import Dict, List
 
 from ulysses_mcore.planning.mix import long_tailed_lengths
 from ulysses_mcore.planning.placement import Costs, samples_of, step_times
-from ulysses_mcore.planning.step_time import MODELS, PRESETS
+from ulysses_mcore.planning.step_time import MODELS, PRESETS, gpu_rates
 
 GPU_SEQ = 131072  # tokens a sample on the GPUs: the same rule, lengths scaled by GPU_SEQ / 4096
 
@@ -17,15 +17,7 @@ GPU_SEQ = 131072  # tokens a sample on the GPUs: the same rule, lengths scaled b
 def predict_gpus(mix: Dict, worlds=(8, 16, 32, 64), degree: int = 8) -> List[dict]:
     """Step times of fixed degree 8, degree 1 and the dynamic placement for Llama-8B (bf16) on H200s
     (the preset rates of ``ulysses-mcore predict``), two samples a rank, the mix's rule at GPU_SEQ."""
-    h200 = PRESETS["h200"]
-    flops = h200["tflops"] * 1e12
-    costs = Costs.of_model(
-        MODELS["llama8b"],
-        gemm_flops=flops * h200["gemm_eff"],
-        attn_flops=flops * h200["attn_eff"],
-        bytes_per_s=h200["intra_gbps"] * 1e9,
-        dtype_bytes=2,
-    )
+    costs = Costs.from_rates(gpu_rates(PRESETS["h200"]), MODELS["llama8b"], dtype_bytes=2)
     scale = GPU_SEQ // 4096
     lengths = long_tailed_lengths(
         4000, seed=1, median=mix["median"] * scale, sigma=mix["sigma"], longest=GPU_SEQ, whole_every=mix["whole_every"]

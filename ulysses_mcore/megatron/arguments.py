@@ -31,6 +31,12 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
         "by the cost model; needs --reset-attention-mask (docs/dynamic.md)",
     )
     g.add_argument(
+        "--dynamic-calibration",
+        default=None,
+        help="--dynamic-ulysses: the cost model's rates from `ulysses-mcore fit` (its fit.json); default: the "
+        "project's CPU fit on a CPU, the H200 preset on a GPU",
+    )
+    g.add_argument(
         "--dynamic-bucket",
         type=int,
         default=None,
@@ -348,6 +354,10 @@ _CONSISTENCY = (
         ),
     ),
     (
+        lambda a, t: a.dynamic_calibration is not None and calibration_problem(a.dynamic_calibration),
+        lambda a, t: f"--dynamic-calibration {a.dynamic_calibration}: {calibration_problem(a.dynamic_calibration)}",
+    ),
+    (
         lambda a, t: a.dynamic_bucket is not None and a.dynamic_bucket < 1,
         lambda a, t: f"--dynamic-bucket must be a positive number of tokens, got {a.dynamic_bucket}",
     ),
@@ -443,6 +453,24 @@ _CONSISTENCY = (
         lambda a, t: f"--lr-warmup-iters {a.lr_warmup_iters} must be < --train-iters {a.train_iters}",
     ),
 )
+
+
+def calibration_problem(path: str):
+    """What is wrong with a calibration file for the dynamic placement, or None."""
+    import json
+
+    try:
+        with open(path) as f:
+            rates = json.load(f)["rates"]
+        rates["attention"]["attn_flops"], rates["mlp"]["mlp_flops"]
+    except OSError as e:
+        return f"cannot read it ({e.strerror}); give the fit.json that `ulysses-mcore fit --out DIR` wrote"
+    except (ValueError, KeyError, TypeError):
+        return (
+            "not a calibration (no rates.attention.attn_flops / rates.mlp.mlp_flops): "
+            "give `ulysses-mcore fit`'s fit.json"
+        )
+    return None
 
 
 def validate(args, world_size: int):

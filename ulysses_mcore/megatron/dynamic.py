@@ -204,9 +204,23 @@ def describe(schedule: Schedule, lengths: List[int], seconds: float) -> Dict:
     }
 
 
+# the step-time model's rates fitted on this project's 2-core CPU sweep (docs/perf/sweep_w4/fit.json):
+# s per attention FLOP, per MLP FLOP, per all-to-all message and byte, per layer and micro-batch
+CPU_RATES = {
+    "attention": {"attn_flops": 4.81e-11},
+    "mlp": {"mlp_flops": 2.13e-11},
+    "a2a": {"a2a_msgs": 8.57e-4, "a2a_bytes_intra": 2.87e-8},
+    "rest": {"layer_calls": 5.88e-4},
+}
+
+
 def costs_of(args) -> Costs:
-    """The cost model of the run's model: FLOPs per token and per attention pair, all-to-all bytes,
-    at rates of this machine's kind (only their ratios steer the placement)."""
+    """The placement's cost model for the run's model: the rates of ``--dynamic-calibration FILE``
+    (``ulysses-mcore fit``'s ``fit.json``), else the project's CPU fit on a CPU and the H200 preset
+    on a GPU (``ulysses-mcore predict``'s)."""
+    import json
+
+    from ..planning.step_time import PRESETS, gpu_rates
     from .arguments import padded_vocab
 
     model = dict(
@@ -218,15 +232,12 @@ def costs_of(args) -> Costs:
         vocab_size=padded_vocab(args),
         swiglu=args.swiglu,
     )
-    gpu = torch.cuda.is_available()
-    # a GPU: dense GEMMs near peak, attention at half of that, NVLink all-to-all; a CPU: gloo's
-    # loopback all-to-all is slow beside its GEMMs (measured by tools/bench_dynamic.py's calibration)
-    rates = (
-        dict(gemm_flops=4e14, attn_flops=2e14, bytes_per_s=2e11)
-        if gpu
-        else dict(gemm_flops=2e10, attn_flops=1e10, bytes_per_s=1e9)
-    )
-    return Costs.of_model(model, dtype_bytes=2 if args.bf16 else 4, **rates)
+    if args.dynamic_calibration:
+        with open(args.dynamic_calibration) as f:
+            rates = json.load(f)["rates"]
+    else:
+        rates = gpu_rates(PRESETS["h200"]) if torch.cuda.is_available() else CPU_RATES
+    return Costs.from_rates(rates, model, dtype_bytes=2 if args.bf16 else 4)
 
 
 def default_bucket(cap: int) -> int:

@@ -43,32 +43,60 @@ class PlacementError(ValueError):
 class Costs:
     """Seconds per unit of work on one rank: ``token`` per token (linear layers, logits, norms),
     ``pair`` per causal (query, key) pair of a document (attention), ``exchanged`` per token an
-    all-to-all moves off the rank (``(d - 1) / d`` of a cell's tokens), ``cell`` per micro-batch."""
+    all-to-all moves off the rank (``(d - 1) / d`` of a cell's tokens), ``cell`` per micro-batch
+    (host work per layer), ``messages`` per micro-batch with an exchange (its all-to-alls' latency)."""
 
     token: float = 1.0
     pair: float = 0.0
     exchanged: float = 0.0
     cell: float = 0.0
+    messages: float = 0.0
 
     @classmethod
     def of_model(cls, model: Dict, *, gemm_flops: float, attn_flops: float, bytes_per_s: float, dtype_bytes: int = 4):
         """From a model's sizes (:data:`ulysses_mcore.planning.step_time.MODELS` keys) and the rates
         of a device: FLOPs of a forward + backward (x3), the all-to-all's four tensors (q, k, v, out;
         k and v with their kv heads) forward and backward."""
-        h, layers, ffn = model["hidden_size"], model["num_layers"], model["ffn_hidden_size"]
-        heads, groups = model["num_attention_heads"], model.get("num_query_groups") or model["num_attention_heads"]
-        kv = h * groups // heads
-        mlp = (3 if model.get("swiglu") else 2) * h * ffn
-        linear = 6 * layers * (h * (h + 2 * kv) + h * h + mlp) + 6 * h * model["vocab_size"]
-        attention = 3 * 4 * h * layers  # q.k and p.v, a pair, every head; x3 for the backward
-        moved = 2 * (2 * h + 2 * kv) * dtype_bytes * layers  # forward + backward
-        return cls(token=linear / gemm_flops, pair=attention / attn_flops, exchanged=moved / bytes_per_s)
+        flops = _flops(model)
+        return cls(
+            token=(flops["mlp"] + flops["other"]) / gemm_flops,
+            pair=flops["pair"] / attn_flops,
+            exchanged=flops["moved"] * dtype_bytes / bytes_per_s,
+        )
+
+    @classmethod
+    def from_rates(cls, rates: Dict[str, Dict[str, float]], model: Dict, *, dtype_bytes: int = 4):
+        """From the step-time model's rates (``ulysses-mcore fit``'s ``fit.json`` ``"rates"``, or
+        :func:`ulysses_mcore.planning.step_time.gpu_rates` of a preset): the same phases, per document."""
+        flops, layers = _flops(model), model["num_layers"]
+        rest, a2a = rates.get("rest", {}), rates.get("a2a", {})
+        return cls(
+            token=rates["mlp"]["mlp_flops"] * flops["mlp"] + rest.get("other_flops", 0.0) * flops["other"],
+            pair=rates["attention"]["attn_flops"] * flops["pair"],
+            exchanged=a2a.get("a2a_bytes_intra", 0.0) * flops["moved"] * dtype_bytes,
+            cell=rest.get("layer_calls", 0.0) * layers,
+            messages=a2a.get("a2a_msgs", 0.0) * 4 * layers,
+        )
 
     def document(self, length: int, degree: int) -> float:
         """One rank's share of a document's work at ``degree``."""
         pairs = length * (length + 1) / 2
         work = self.token * length + self.pair * pairs
         return (work + (self.exchanged * length * (degree - 1) / degree if degree > 1 else 0.0)) / degree
+
+
+def _flops(model: Dict) -> Dict[str, float]:
+    """Per token (``mlp``, ``other``: forward + backward) and per causal pair (``pair``) FLOPs of a
+    model, and the elements an all-to-all moves per exchanged token (``moved``, forward + backward)."""
+    h, layers, ffn = model["hidden_size"], model["num_layers"], model["ffn_hidden_size"]
+    heads, groups = model["num_attention_heads"], model.get("num_query_groups") or model["num_attention_heads"]
+    kv = h * groups // heads
+    return {
+        "mlp": 6 * layers * (3 if model.get("swiglu") else 2) * h * ffn,
+        "other": 6 * layers * (h * (h + 2 * kv) + h * h) + 6 * h * model["vocab_size"],
+        "pair": 3 * 4 * h * layers,  # q.k and p.v, every head; x3 for the backward
+        "moved": 2 * (2 * h + 2 * kv) * layers,
+    }
 
 
 @dataclass(frozen=True)
@@ -222,7 +250,7 @@ def _group_cells(lengths, degrees, cap: int, costs: Costs):
     for d, _, docs in _pack_cells(lengths, degrees, cap):
         for i in docs:
             degrees[i] = d
-        out.append((sum(costs.document(lengths[i], d) for i in docs) + costs.cell, d, docs))
+        out.append((sum(costs.document(lengths[i], d) for i in docs) + costs.cell + costs.messages, d, docs))
     return sorted(out, key=lambda g: (-g[1], -g[0], g[2]))
 
 
