@@ -167,3 +167,18 @@ def test_ulysses_degree_that_is_not_a_power_of_two_is_refused(monkeypatch, capsy
         + ["--ulysses-degree", "6", "--dynamic-ulysses", "--reset-attention-mask"]
     )
     assert rc == 2 and "power of two" in capsys.readouterr().err
+
+
+def test_bucket_is_a_sixteenth_of_the_load_and_a_multiple_of_tp_under_sequence_parallel():
+    import argparse
+
+    from ulysses_mcore.megatron.dynamic import bucket_of
+
+    def args(**kw):
+        return argparse.Namespace(
+            **{"dynamic_bucket": None, "sequence_parallel": False, "tensor_model_parallel_size": 1, **kw}
+        )
+
+    assert bucket_of(args(), 1024) == 64 and bucket_of(args(dynamic_bucket=10), 1024) == 10
+    assert bucket_of(args(dynamic_bucket=10, sequence_parallel=True, tensor_model_parallel_size=4), 1024) == 20
+    assert bucket_of(args(sequence_parallel=True, tensor_model_parallel_size=8), 1000) == 504

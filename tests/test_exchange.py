@@ -96,3 +96,10 @@ def test_buffer_pool_stays_within_its_bytes_over_hundreds_of_shapes():
         assert worst <= 8 << 20 and held <= 8 << 20
         assert seen > 500 << 20  # what an unbounded pool would have kept, per thread
     assert grown < 150, grown
+
+
+def test_size_classes_are_powers_of_two():
+    from ulysses_mcore.exchange import size_class
+
+    assert all(n <= size_class(n) < 2 * n for n in range(1, 200_000, 37))
+    assert {size_class(n) for n in range(70_000, 260_000)} == {1 << 17, 1 << 18}

@@ -218,7 +218,8 @@ def agree(value: int, group, device) -> bool:
 
 
 def held_bytes(obj, depth: int = 6) -> int:
-    """Bytes of the tensors ``obj`` holds (its attributes, their attributes, closures), each storage once."""
+    """Bytes of the tensors ``obj`` holds: its attributes and theirs (this package's objects only),
+    containers and closures, each storage once."""
     seen, storages, total = set(), set(), 0
     todo = [(obj, 0)]
     while todo:
@@ -236,9 +237,9 @@ def held_bytes(obj, depth: int = 6) -> int:
             todo += [(y, d + 1) for y in x]
         elif isinstance(x, dict):
             todo += [(y, d + 1) for y in x.values()]
-        elif callable(x) and getattr(x, "__closure__", None):
+        elif getattr(x, "__closure__", None):
             todo += [(c.cell_contents, d + 1) for c in x.__closure__ if c.cell_contents is not None]
-        elif hasattr(x, "__dict__") and not isinstance(x, (type, dist.ProcessGroup, torch.nn.Module)):
+        elif type(x).__module__.startswith("ulysses_mcore") and hasattr(x, "__dict__"):
             todo += [(y, d + 1) for y in vars(x).values()]
     return total
 

@@ -160,48 +160,69 @@ def _unreferenced(buf: torch.Tensor) -> bool:
     return torch._C._storage_Use_Count(buf.untyped_storage()._cdata) == 2
 
 
+def size_class(n: int) -> int:
+    """``n`` elements rounded up to a power of two: shapes within a factor of two share buffers (a
+    buffer's pages past what a call writes are never touched, so they cost address space, not memory)."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
 class BufferPool(threading.local):
-    """A free list of CPU buffers for the exchange, per thread, bounded in bytes.
+    """A free list of CPU buffers for the exchange, per thread, by size class, bounded in bytes.
 
     On the CPU every fresh multi-MB tensor costs a page fault per 4 KB on first touch
     (measured: 20 ms for 25 MB -- as long as the all-to-all itself), and glibc returns large
-    blocks to the OS on free, so each call would pay it again.  A buffer is handed out (as a
-    view) only when nothing else references its storage any more, else a new one is allocated
-    and kept (up to ``per_size`` per shape) while the pool holds at most ``max_bytes``: past that,
-    the shapes used longest ago are dropped first (their buffers are freed once nothing else uses
-    them), so shapes that change from call to call keep memory flat.  CUDA tensors bypass it (the
-    caching allocator does this), and so do buffers under ``min_bytes``.  ``enabled = False``
-    turns it off; :meth:`clear` returns the memory."""
+    blocks to the OS on free, so each call would pay it again.  Buffers are flat, of a size class
+    (:func:`size_class`), handed out as a view of the shape asked for when nothing else references
+    their storage any more, else a new one is allocated and kept (up to ``per_size`` per class) while
+    the pool holds at most ``max_bytes`` -- past that the classes used longest ago are dropped first.
+    Shapes that change from call to call (``--dynamic-ulysses``) share a few classes, so memory stays
+    flat.  CUDA tensors bypass it (the caching allocator does this), and so do buffers under
+    ``min_bytes``.  ``enabled = False`` turns it off; :meth:`clear` returns the memory."""
 
     per_size = 64
     min_bytes = 1 << 17  # below glibc's mmap threshold (128 KB) malloc reuses its heap: nothing to save
     max_bytes = 1 << 30
 
     def __init__(self):
-        self.free_lists: dict = {}  # (shape, dtype) -> buffers, the shape used last at the end
+        self.free_lists: dict = {}  # (elements, dtype) -> flat buffers, the class used last at the end
         self.held = 0
         self.enabled = hasattr(torch._C, "_storage_Use_Count")
 
     def take(self, shape: tuple, dtype, device: torch.device) -> torch.Tensor:
-        nbytes = math.prod(shape) * dtype.itemsize
-        if not self.enabled or device.type != "cpu" or nbytes < self.min_bytes:
+        n = math.prod(shape)
+        if not self.enabled or device.type != "cpu" or n * dtype.itemsize < self.min_bytes:
             return torch.empty(shape, dtype=dtype, device=device)
-        key = (shape, dtype)
-        bufs = self.free_lists.pop(key, None)
-        if bufs is None:
-            bufs = []
-        self.free_lists[key] = bufs  # now the most recently used shape
+        key = (size_class(n), dtype)
+        bufs = self.free_lists.pop(key, [])
+        self.free_lists[key] = bufs  # now the most recently used class
         for buf in bufs:
             if _unreferenced(buf):
-                return buf.view(shape)
-        buf = torch.empty(shape, dtype=dtype, device=device)
+                return buf[:n].view(shape)
+        nbytes = key[0] * dtype.itemsize
+        self._release_idle(nbytes, key)  # idle buffers of other classes make room for this one first
+        buf = torch.empty(key[0], dtype=dtype, device=device)
         if len(bufs) < self.per_size and self._room(nbytes, key):
             bufs.append(buf)
             self.held += nbytes
-        return buf.view(shape)
+        return buf[:n].view(shape)
+
+    def _release_idle(self, nbytes: int, key) -> None:
+        """Free up to ``nbytes`` of buffers nothing uses in the classes used longest ago (not ``key``):
+        a run whose shapes change keeps about one working set, not one per class."""
+        for old in list(self.free_lists):
+            if nbytes <= 0 or old == key:
+                return
+            keep = []
+            for buf in self.free_lists[old]:
+                if nbytes > 0 and _unreferenced(buf):
+                    size = buf.numel() * buf.element_size()
+                    self.held, nbytes = self.held - size, nbytes - size
+                else:
+                    keep.append(buf)
+            self.free_lists[old] = keep
 
     def _room(self, nbytes: int, key) -> bool:
-        """Drop the shapes used longest ago (not ``key``) until ``nbytes`` more fit under ``max_bytes``."""
+        """Drop the classes used longest ago (not ``key``) until ``nbytes`` more fit under ``max_bytes``."""
         for old in list(self.free_lists):
             if self.held + nbytes <= self.max_bytes or old == key:
                 break

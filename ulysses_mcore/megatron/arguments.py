@@ -354,6 +354,18 @@ _CONSISTENCY = (
         ),
     ),
     (
+        lambda a, t: (
+            a.dynamic_ulysses
+            and a.sequence_parallel
+            and (a.micro_batch_size * a.seq_length // a.ulysses_degree) % a.tensor_model_parallel_size
+        ),
+        lambda a, t: (
+            f"--dynamic-ulysses with --sequence-parallel: the per-rank load --micro-batch-size x --seq-length / "
+            f"--ulysses-degree = {a.micro_batch_size * a.seq_length // a.ulysses_degree} must be divisible by "
+            f"--tensor-model-parallel-size {a.tensor_model_parallel_size}"
+        ),
+    ),
+    (
         lambda a, t: a.dynamic_calibration is not None and calibration_problem(a.dynamic_calibration),
         lambda a, t: f"--dynamic-calibration {a.dynamic_calibration}: {calibration_problem(a.dynamic_calibration)}",
     ),

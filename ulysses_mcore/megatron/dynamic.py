@@ -240,9 +240,14 @@ def costs_of(args) -> Costs:
     return Costs.from_rates(rates, model, dtype_bytes=2 if args.bf16 else 4)
 
 
-def default_bucket(cap: int) -> int:
-    """A cell's per-rank tokens rounded to 1/16 of the load: at most 16 shapes a degree, <= 6% pad."""
-    return max(1, math.ceil(cap / 16))
+def bucket_of(args, cap: int) -> int:
+    """A cell's per-rank tokens are rounded to this: ``--dynamic-bucket``, else 1/16 of the load (at
+    most 16 shapes a degree, <= 6% pad); with ``--sequence-parallel`` a multiple of the
+    tensor-parallel size (Megatron splits each micro-batch's tokens over it)."""
+    bucket = args.dynamic_bucket or max(1, math.ceil(cap / 16))
+    if args.sequence_parallel:
+        bucket = math.lcm(bucket, args.tensor_model_parallel_size)
+    return bucket
 
 
-__all__ = ["DynamicOptions", "RotaryKernel", "DynamicGroups", "DynamicBatches", "costs_of", "default_bucket"]
+__all__ = ["DynamicOptions", "RotaryKernel", "DynamicGroups", "DynamicBatches", "costs_of", "bucket_of"]

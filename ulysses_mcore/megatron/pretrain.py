@@ -263,14 +263,14 @@ class _Data:
 
 
 def _dynamic_batches(args, tok, groups):
-    from .dynamic import DynamicBatches, costs_of, default_bucket
+    from .dynamic import DynamicBatches, bucket_of, costs_of
 
     cap = args.micro_batch_size * args.seq_length // args.ulysses_degree
     return DynamicBatches(
         groups,
         cap=cap,
         costs=costs_of(args),
-        bucket=args.dynamic_bucket or default_bucket(cap),
+        bucket=bucket_of(args, cap),
         eod=tok.eod,
         reset_positions=args.reset_position_ids,
     )
