@@ -74,7 +74,7 @@ def _plot(path: str, rows: List[dict], gpus: List[dict]) -> None:
         left.set_xticks(range(len(worlds)), [f"world {w}" for w in worlds])
     left.set_ylabel("tokens/s (mean of runs)")
     left.set_title("CPU, tiny model, long-tailed mix")
-    left.legend()
+    left.legend(loc="lower left", framealpha=0.9)
     xs = [g["gpus"] for g in gpus]
     for mode in ("fixed", "degree 1", "dynamic"):
         right.plot(xs, [g["fixed"] / g[mode] for g in gpus], marker="o", label=mode)

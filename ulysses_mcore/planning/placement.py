@@ -30,6 +30,7 @@ divided by the cell's degree.
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Sequence, Tuple
@@ -228,11 +229,14 @@ def place(
             clock[r], busy[r] = end, busy[r] + work
             per_rank[r].append(cell)
     whole: List[List[int]] = [[] for _ in range(ranks)]
+    free = [(clock[r], r) for r in range(ranks)]
+    heapq.heapify(free)
     for i in sorted((i for i, g in enumerate(degrees) if g == 1), key=lambda i: (-lengths[i], i)):
-        r = min(range(ranks), key=lambda r: (clock[r], r))  # longest first, to the rank free first
+        _, r = heapq.heappop(free)  # longest first, to the rank free first
         whole[r].append(i)
         work = costs.document(lengths[i], 1)
         clock[r], busy[r] = clock[r] + work, busy[r] + work
+        heapq.heappush(free, (clock[r], r))
     bins = [_fill(lengths, docs, cap) for docs in whole]
     slots = max(len(per_rank[r]) + len(bins[r]) for r in range(ranks))
     for r in range(ranks):
