@@ -72,23 +72,29 @@ def train(world: int, flags, a, prefix: str, log_dir: str) -> dict:
     return measure(log_dir, r.stdout)
 
 
-def measure(log_dir: str, stdout: str) -> dict:
-    with open(os.path.join(log_dir, "metrics.csv")) as f:
-        rows = [x for x in csv.DictReader(f) if x["kind"] == "train"]
+def _timing(log_dir: str) -> list:
+    """Each rank's timing records after the two warm-up iterations."""
     ranks = []
     for path in sorted(glob.glob(os.path.join(log_dir, "timing_rank*.jsonl"))):
         with open(path) as f:
             ranks.append([json.loads(line) for line in f][2:])
+    return ranks
+
+
+def measure(log_dir: str, stdout: str) -> dict:
+    with open(os.path.join(log_dir, "metrics.csv")) as f:
+        rows = [x for x in csv.DictReader(f) if x["kind"] == "train"]
+    ranks = _timing(log_dir)
     steps = range(len(ranks[0]))
     busy = [max(r[i]["cpu_s"] for r in ranks) / statistics.mean(r[i]["cpu_s"] for r in ranks) for i in steps]
-    sched = [ln for ln in stdout.splitlines() if "dynamic:" in ln]
+    sched = [ln.strip() for ln in stdout.splitlines() if "dynamic:" in ln]
     return {
         "tokens_per_second": statistics.median(float(x["tokens_per_second"]) for x in rows[2:]),
         "a2a_bytes_per_step": statistics.mean(sum(r[i]["a2a_bytes"] for r in ranks) for i in steps),
         "busy_max_over_mean": statistics.mean(busy),
         "peak_gb": max(r[-1]["peak_gb"] for r in ranks),
         "losses": [float(x["lm_loss"]) for x in rows],
-        "schedule": sched[-1].strip() if sched else "",
+        "schedule": sched[-1] if sched else "",
     }
 
 

@@ -226,22 +226,25 @@ def held_bytes(obj, depth: int = 6) -> int:
         x, d = todo.pop()
         if isinstance(x, torch.Tensor):
             ptr = x.untyped_storage().data_ptr() if x.device.type != "meta" else id(x)
-            if ptr not in storages:
-                storages.add(ptr)
-                total += x.untyped_storage().nbytes()
-            continue
-        if d >= depth or id(x) in seen:
-            continue
-        seen.add(id(x))
-        if isinstance(x, (list, tuple)):
-            todo += [(y, d + 1) for y in x]
-        elif isinstance(x, dict):
-            todo += [(y, d + 1) for y in x.values()]
-        elif getattr(x, "__closure__", None):
-            todo += [(c.cell_contents, d + 1) for c in x.__closure__ if c.cell_contents is not None]
-        elif type(x).__module__.startswith("ulysses_mcore") and hasattr(x, "__dict__"):
-            todo += [(y, d + 1) for y in vars(x).values()]
+            total += 0 if ptr in storages else x.untyped_storage().nbytes()
+            storages.add(ptr)
+        elif d < depth and id(x) not in seen:
+            seen.add(id(x))
+            todo += [(y, d + 1) for y in _held(x)]
     return total
+
+
+def _held(x) -> list:
+    """What ``x`` refers to that may hold tensors: items, values, closure cells, this package's attributes."""
+    if isinstance(x, (list, tuple)):
+        return list(x)
+    if isinstance(x, dict):
+        return list(x.values())
+    if getattr(x, "__closure__", None):
+        return [c.cell_contents for c in x.__closure__ if c.cell_contents is not None]
+    if type(x).__module__.startswith("ulysses_mcore") and hasattr(x, "__dict__"):
+        return list(vars(x).values())
+    return []
 
 
 def lse_columns(dtype: torch.dtype) -> int:

@@ -144,9 +144,9 @@ class DynamicBatches:
         from megatron.core import parallel_state as ps
 
         from ..call import agree, digest
-        from .training import training_device
 
-        if not agree(digest(tuple(lengths)), ps.get_data_parallel_group(), training_device()):
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        if not agree(digest(tuple(lengths)), ps.get_data_parallel_group(), device):
             raise ValueError(
                 "--dynamic-ulysses: the ranks read different global batches (their documents' lengths differ), "
                 "so their placements differ; every rank must read the same data (the same --data-path, --split "

@@ -163,9 +163,7 @@ class UlyssesAttention(MegatronModule):
         self.dynamic = dynamic  # --dynamic-ulysses: each micro-batch brings its group (PackedSeqParams.cp_group)
         self.calls = CallCache()  # this module's prepared (validated) call signatures
         self._check_context_parallel(cp_size)
-        self._heads(config, tp)
-        for d in _powers_of_two(dynamic.max_degree if dynamic else 1):  # every degree a slot may have
-            self._head_layout(config, tp, d)
+        self._heads(config, tp, dynamic.max_degree if dynamic else 1)
         # MLA passes k_channels (query/key head dim, for the default scale) and v_channels (value head
         # dim: the output's, read from the value itself), as to TE's module
         self.head_dim = k_channels or config.kv_channels
@@ -179,12 +177,15 @@ class UlyssesAttention(MegatronModule):
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.te_attention = self._te_child(v_channels or self.head_dim) if backend == "te" else None
-        self.kernel = self.te_attention
-        if dynamic is not None and dynamic.rope:  # RoPE after the exchange (docs/dynamic.md)
-            from ..backends import resolve
-            from .dynamic import RotaryKernel
+        self.rotary = self._rotary(config) if dynamic is not None and dynamic.rope else None
 
-            self.kernel = RotaryKernel(self.te_attention or resolve(backend), config)
+    def _rotary(self, config):
+        """--dynamic-ulysses: RoPE after the exchange, around the kernel (docs/dynamic.md); a plain
+        object, not a child module (it holds no state)."""
+        from ..backends import resolve
+        from .dynamic import RotaryKernel
+
+        return RotaryKernel(self.te_attention or resolve(self.backend), config)
 
     def _te_child(self, dv: int):
         """Transformer Engine's attention for the heads this rank holds after the exchange, built once
@@ -218,8 +219,9 @@ class UlyssesAttention(MegatronModule):
                 "--context-parallel-size; build the groups with ulysses_mcore.initialize(ulysses=..., cp=...)"
             )
 
-    def _heads(self, config, tp: int) -> None:
-        """Head counts per tensor-parallel rank, on the instance (never in process-global state)."""
+    def _heads(self, config, tp: int, max_degree: int = 1) -> None:
+        """Head counts per tensor-parallel rank, on the instance (never in process-global state),
+        checked against the degree (and, ``--dynamic-ulysses``, every power of two up to its largest)."""
         heads, groups = config.num_attention_heads, config.num_query_groups or config.num_attention_heads
         if heads % tp or groups % tp:
             raise ValueError(
@@ -228,7 +230,8 @@ class UlyssesAttention(MegatronModule):
             )
         self.num_q_heads, self.num_kv_heads = heads // tp, groups // tp
         self.extra_checks = (("expected_heads", (self.num_q_heads, self.num_kv_heads)),)
-        self._head_layout(config, tp, self.degree)
+        for d in sorted({self.degree, *_powers_of_two(max_degree)}):
+            self._head_layout(config, tp, d)
 
     def _head_layout(self, config, tp: int, degree: int) -> None:
         err = head_layout_error(self.num_q_heads, self.num_kv_heads, degree)
@@ -305,7 +308,7 @@ class UlyssesAttention(MegatronModule):
             self.tp_rank * self.num_q_heads,
             self.check,
             extra,
-            self.kernel,
+            self.rotary or self.te_attention,
         )
         if cu is not None:
             return out.reshape(out.shape[0], -1)  # [t, h*d]; Megatron adds the batch dim back

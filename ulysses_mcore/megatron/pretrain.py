@@ -97,12 +97,17 @@ def main(argv=None):
         )
         return 1
     finally:
-        from ulysses_mcore.megatron import groups
+        _release(run)
 
-        if run.groups is not None:
-            run.groups.destroy()
-        groups.destroy()
-        dist.destroy_process_group()
+
+def _release(run) -> None:
+    """Every group this run made (--dynamic-ulysses' own, Megatron's), then the process group."""
+    from ulysses_mcore.megatron import groups
+
+    if run.groups is not None:
+        run.groups.destroy()
+    groups.destroy()
+    dist.destroy_process_group()
 
 
 class Run:

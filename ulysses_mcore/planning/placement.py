@@ -228,15 +228,7 @@ def place(
         for r in cell.ranks:
             clock[r], busy[r] = end, busy[r] + work
             per_rank[r].append(cell)
-    whole: List[List[int]] = [[] for _ in range(ranks)]
-    free = [(clock[r], r) for r in range(ranks)]
-    heapq.heapify(free)
-    for i in sorted((i for i, g in enumerate(degrees) if g == 1), key=lambda i: (-lengths[i], i)):
-        _, r = heapq.heappop(free)  # longest first, to the rank free first
-        whole[r].append(i)
-        work = costs.document(lengths[i], 1)
-        clock[r], busy[r] = clock[r] + work, busy[r] + work
-        heapq.heappush(free, (clock[r], r))
+    whole = _whole_documents(lengths, degrees, costs, clock, busy)
     bins = [_fill(lengths, docs, cap) for docs in whole]
     slots = max(len(per_rank[r]) + len(bins[r]) for r in range(ranks))
     for r in range(ranks):
@@ -245,6 +237,21 @@ def place(
             per_rank[r].append(Cell(-1, r, 1, tuple(sorted(docs)), tokens, _per_rank(tokens, 1, cap, bucket)))
             clock[r] += costs.cell
     return Schedule(ranks, per_rank, degrees, clock, busy)
+
+
+def _whole_documents(lengths, degrees, costs: Costs, clock: List[float], busy: List[float]) -> List[List[int]]:
+    """Each rank's whole documents (degree 1): longest first, each to the rank free first (its clock
+    and busy time advanced)."""
+    whole: List[List[int]] = [[] for _ in clock]
+    free = [(t, r) for r, t in enumerate(clock)]
+    heapq.heapify(free)
+    for i in sorted((i for i, g in enumerate(degrees) if g == 1), key=lambda i: (-lengths[i], i)):
+        _, r = heapq.heappop(free)
+        whole[r].append(i)
+        work = costs.document(lengths[i], 1)
+        clock[r], busy[r] = clock[r] + work, busy[r] + work
+        heapq.heappush(free, (clock[r], r))
+    return whole
 
 
 def _group_cells(lengths, degrees, cap: int, costs: Costs):
