@@ -114,3 +114,26 @@ def test_samples_are_cut_like_megatrons_dataset_and_predictions_cover_three_mode
     assert samples[0] == [11, 5]  # 10 + its end-of-document token, then the next document's first 5
     t = step_times(samples_of(long_tailed_lengths(100, longest=256), 256, 8), ranks=4, max_degree=4, costs=COSTS)
     assert set(t) == {"fixed", "degree 1", "dynamic"} and all(v > 0 for v in t.values())
+
+
+def test_costs_from_the_step_time_models_rates():
+    """The placement's costs come from the step-time model's rates (a fit.json or a GPU preset), phase
+    by phase; the trainer's CPU default is the committed CPU fit."""
+    import json
+    import os
+
+    from ulysses_mcore.megatron.dynamic import CPU_RATES
+    from ulysses_mcore.planning.step_time import MODELS, PRESETS, gpu_rates
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "docs", "perf", "sweep_w4", "fit.json")) as f:
+        fitted = json.load(f)["rates"]
+    for phase, terms in CPU_RATES.items():
+        for term, value in terms.items():
+            assert value == pytest.approx(fitted[phase][term], rel=5e-3), (phase, term)
+    tiny = MODELS["tiny"]
+    c = Costs.from_rates(fitted, tiny)
+    assert c.token > 0 and c.pair > 0 and c.exchanged > 0 and c.cell > 0 and c.messages > 0
+    assert c.pair == pytest.approx(fitted["attention"]["attn_flops"] * 12 * tiny["hidden_size"] * tiny["num_layers"])
+    gpu = Costs.from_rates(gpu_rates(PRESETS["h200"]), MODELS["llama8b"], dtype_bytes=2)
+    assert gpu.document(131072, 8) < gpu.document(131072, 1)  # a long document is worth splitting on H200s

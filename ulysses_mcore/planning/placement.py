@@ -54,18 +54,6 @@ class Costs:
     messages: float = 0.0
 
     @classmethod
-    def of_model(cls, model: Dict, *, gemm_flops: float, attn_flops: float, bytes_per_s: float, dtype_bytes: int = 4):
-        """From a model's sizes (:data:`ulysses_mcore.planning.step_time.MODELS` keys) and the rates
-        of a device: FLOPs of a forward + backward (x3), the all-to-all's four tensors (q, k, v, out;
-        k and v with their kv heads) forward and backward."""
-        flops = _flops(model)
-        return cls(
-            token=(flops["mlp"] + flops["other"]) / gemm_flops,
-            pair=flops["pair"] / attn_flops,
-            exchanged=flops["moved"] * dtype_bytes / bytes_per_s,
-        )
-
-    @classmethod
     def from_rates(cls, rates: Dict[str, Dict[str, float]], model: Dict, *, dtype_bytes: int = 4):
         """From the step-time model's rates (``ulysses-mcore fit``'s ``fit.json`` ``"rates"``, or
         :func:`ulysses_mcore.planning.step_time.gpu_rates` of a preset): the same phases, per document."""
