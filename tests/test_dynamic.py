@@ -27,10 +27,14 @@ BASE = (
 SMALL = BASE + ["--reset-attention-mask"]
 RTOL = 1e-5  # fp32 rounding of sums in another order
 
+LEARNED = ["--position-embedding-type", "learned_absolute", "--reset-position-ids", "--max-position-embeddings", "512"]
+EVAL = ["--split", "90,10,0", "--eval-interval", "5", "--eval-iters", "1"]
 WORLD2 = {
     "u1": ["--ulysses-degree", "1"],
     "u2": ["--ulysses-degree", "2"],
     "dyn2": ["--ulysses-degree", "2", "--dynamic-ulysses"],
+    "u2_learned_eval": ["--ulysses-degree", "2", *LEARNED, *EVAL],
+    "dyn2_learned_eval": ["--ulysses-degree", "2", "--dynamic-ulysses", *LEARNED, *EVAL],
 }
 WORLD4 = {
     "u4": ["--ulysses-degree", "4", "--save", "{d}/ckpt_u4", "--save-interval", "5"],
@@ -81,8 +85,12 @@ def runs(tmp_path_factory):
 
 
 def _metrics(d, name):
+    """{iteration: (loss, grad norm)} of training rows, {-iteration: (validation loss,)} of validation rows."""
     with open(d / name / "metrics.csv") as f:
-        return {int(r["iteration"]): (float(r["lm_loss"]), float(r["grad_norm"])) for r in csv.DictReader(f)}
+        rows = list(csv.DictReader(f))
+    out = {int(r["iteration"]): (float(r["lm_loss"]), float(r["grad_norm"])) for r in rows if r["kind"] == "train"}
+    out.update({-int(r["iteration"]): (float(r["lm_loss"]),) for r in rows if r["kind"] == "valid"})
+    return out
 
 
 def _same(got, want):
@@ -95,14 +103,24 @@ def _same(got, want):
 @pytest.mark.spawn
 @pytest.mark.parametrize(
     "dynamic,fixed",
-    [("dyn2", "u2"), ("dyn2", "u1"), ("dyn4", "u4"), ("dyn_tp2u2", "tp2u2"), ("dyn4", "tp2u2")],
+    [
+        ("dyn2", "u2"),
+        ("dyn2", "u1"),
+        ("dyn2_learned_eval", "u2_learned_eval"),  # learned absolute positions; validation losses too
+        ("dyn4", "u4"),
+        ("dyn_tp2u2", "tp2u2"),
+        ("dyn4", "tp2u2"),
+    ],
 )
 def test_dynamic_gives_the_fixed_degrees_losses_and_gradient_norms(runs, dynamic, fixed):
     results, d = runs
     for name in (dynamic, fixed):
         assert all(r["rc"] == 0 for r in results[name]), [r["stderr"][-2000:] for r in results[name]]
-    _same(_metrics(d, dynamic), _metrics(d, fixed))
-    assert len(_metrics(d, dynamic)) == 10
+    got = _metrics(d, dynamic)
+    _same(got, _metrics(d, fixed))
+    assert sorted(it for it in got if it > 0) == list(range(1, 11))
+    if "eval" in dynamic:
+        assert sorted(it for it in got if it < 0) == [-10, -5]
 
 
 @pytest.mark.spawn

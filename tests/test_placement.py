@@ -58,6 +58,8 @@ def test_every_schedule_keeps_every_rule(lengths, layout, bucket):
     cap = 1024 // max_degree
     s = place(lengths, ranks=ranks, max_degree=max_degree, cap=cap, costs=COSTS, bucket=bucket)
     check(s, lengths, ranks=ranks, max_degree=max_degree, cap=cap, bucket=bucket)
+    if sum(lengths) >= ranks * cap:  # a global batch of the trainer's size: every rank has work
+        assert all(s.cells_of(r) for r in range(ranks))
     assert s == place(lengths, ranks=ranks, max_degree=max_degree, cap=cap, costs=COSTS, bucket=bucket)
 
 

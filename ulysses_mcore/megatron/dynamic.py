@@ -136,6 +136,12 @@ class DynamicBatches:
         )
         self.last = describe(schedule, lengths, time.perf_counter() - t0)
         self._agree(lengths)
+        idle = [r for r in range(self.groups.ranks) if not schedule.cells_of(r)]
+        if idle:  # every rank computed the same schedule: the same error everywhere, before any cell runs
+            raise ValueError(
+                f"--dynamic-ulysses: the global batch has too few documents for {self.groups.ranks} ranks "
+                f"({len(lengths)} documents; ranks {idle} would get none); raise --global-batch-size"
+            )
         return [self._cell(stream, cu, lengths, c) for c in schedule.cells_of(self.groups.index)]
 
     def _agree(self, lengths) -> None:
