@@ -28,7 +28,7 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 
-from ..planning.placement import Cell, Costs, Schedule, place
+from ..planning.placement import Cell, Costs, Schedule, place, powers_of_two
 
 
 @dataclass(frozen=True)
@@ -80,15 +80,13 @@ class DynamicGroups:
         me = dist.get_rank()
         self.index = me // tp
         self._mine: Dict[tuple, object] = {}
-        d = 2
-        while d <= max_degree:
+        for d in powers_of_two(max_degree):
             for first in range(0, self.ranks, d):
                 for t in range(tp):
                     members = [t + tp * (first + j) for j in range(d)]
                     g = dist.new_group(members)
                     if me in members:
                         self._mine[(first, d)] = g
-            d *= 2
 
     def group(self, cell: Cell):
         """This rank's group for ``cell`` (``None`` for a cell of one rank)."""

@@ -27,6 +27,7 @@ from ..backends import Kernel
 from ..exchange import head_layout_error
 from ..options import attention_options
 from ..orders import LastOf
+from ..planning.placement import powers_of_two
 
 
 def _size(group) -> int:
@@ -77,13 +78,6 @@ def _host_int(value) -> Optional[int]:
 # document lengths of cu_seqlens_q, one tensor per micro-batch shared by every layer (so a kernel
 # that reads them on the host reads them once per micro-batch)
 _lengths = LastOf(lambda cu: cu[1:] - cu[:-1])
-
-
-def _powers_of_two(n: int):
-    d = 2
-    while d <= n:
-        yield d
-        d *= 2
 
 
 def _tp_size_and_rank(tp_group):
@@ -230,7 +224,7 @@ class UlyssesAttention(MegatronModule):
             )
         self.num_q_heads, self.num_kv_heads = heads // tp, groups // tp
         self.extra_checks = (("expected_heads", (self.num_q_heads, self.num_kv_heads)),)
-        for d in sorted({self.degree, *_powers_of_two(max_degree)}):
+        for d in sorted({self.degree, *powers_of_two(max_degree)}):
             self._head_layout(config, tp, d)
 
     def _head_layout(self, config, tp: int, degree: int) -> None:

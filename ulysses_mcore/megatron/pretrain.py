@@ -21,7 +21,6 @@ import csv
 import functools
 import math
 import os
-import resource
 import signal
 import sys
 import time
@@ -497,9 +496,9 @@ def _iteration(args, run, data, model, optimizer, scheduler, log, use_cuda):
     if m["skipped"] and log:
         print(f"[ulysses-mcore] {m['message']}: update skipped (--on-nan skip)", flush=True)
     if log and run.iteration % args.log_interval == 0:
-        peak = (
-            torch.cuda.max_memory_allocated() if use_cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        ) / 1e9
+        from .timing import peak_gb
+
+        peak = peak_gb()
         tps = G * args.seq_length / dt
         print(
             f" iteration {run.iteration:8d}/{args.train_iters:8d} | consumed samples: {run.consumed:12d} | "

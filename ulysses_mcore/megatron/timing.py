@@ -38,7 +38,8 @@ def _now() -> float:
     return time.perf_counter()
 
 
-def _peak_gb() -> float:
+def peak_gb() -> float:
+    """The peak memory so far, GB: CUDA's allocated peak when CUDA is in use, else the process's resident peak."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return torch.cuda.max_memory_allocated() / 1e9
     import resource
@@ -102,7 +103,7 @@ class StepTimer:
         """This iteration's phase times (s) and bytes sent, then zeros for the next."""
         out = {**{f"{k}_s": v for k, v in self.times.items()}, **{f"{k}_bytes": v for k, v in self.bytes.items()}}
         cpu, self._cpu = self._cpu, time.process_time()
-        out["cpu_s"], out["peak_gb"] = self._cpu - cpu, _peak_gb()
+        out["cpu_s"], out["peak_gb"] = self._cpu - cpu, peak_gb()
         self.times = dict.fromkeys(PHASES, 0.0)
         self.bytes = {"a2a": 0, "ring": 0}
         return out

@@ -161,6 +161,14 @@ def degree_for(length: int, cap: int, max_degree: int) -> int:
     )
 
 
+def powers_of_two(n: int):
+    """2, 4, ... up to ``n``: the degrees a dynamic placement may use above 1."""
+    d = 2
+    while d <= n:
+        yield d
+        d *= 2
+
+
 def _pow2_at_least(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
