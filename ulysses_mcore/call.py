@@ -26,7 +26,7 @@ from .backends import plain_sdpa_kernel, resolve, te_attention
 from .exchange import HeadPlan, OutRoute, exchange_out, exchange_qkv, kv_index, pack_lse, qkv_route, seq_dim, unpack_lse
 from .options import AttentionOptions
 from .orders import token_orders
-from .validation import check_call
+from .validation import check_call, is_fake_group
 
 
 class CallTensors(NamedTuple):
@@ -209,7 +209,10 @@ def digest(key) -> int:
 
 
 def agree(value: int, group, device) -> bool:
-    """Whether every rank of ``group`` holds ``value`` (one all-reduce of two int64: max of v and -v)."""
+    """Whether every rank of ``group`` holds ``value`` (one all-reduce of two int64: max of v and -v).
+    A fake world's ranks are all this rank: they agree."""
+    if is_fake_group(group):
+        return True
     dev = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
     t = torch.tensor([value, -value], dtype=torch.int64, device=dev)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)

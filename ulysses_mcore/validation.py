@@ -24,6 +24,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import is_fake
 
 from .backends import BUILTIN_BACKENDS, backend_error, callable_accepts, callable_option_error, flash_problem
 from .exchange import LAYOUTS, head_layout_error, is_even, overlap_error, seq_dim
@@ -81,7 +82,22 @@ def _backend_name(backend) -> str:
 def _int_list(t) -> Optional[Tuple[int, ...]]:
     if t is None or not isinstance(t, torch.Tensor) or t.dim() != 1 or t.is_floating_point() or t.is_complex():
         return None
+    if not has_values(t):  # a fake / meta tensor: its length stands for it, its values are unknowable
+        return (UNREAD,) * t.shape[0]
     return tuple(t.detach().to("cpu", torch.int64).tolist())  # first call of a signature only
+
+
+UNREAD = -1  # a boundary of a tensor without values (fake / meta): the value checks pass over it
+
+
+def has_values(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds values the host can read: not a fake tensor (``FakeTensorMode``, the dry
+    run's cluster-size model) and not on the meta device."""
+    return t.device.type != "meta" and not is_fake(t)
+
+
+def _known(vals: Tuple[int, ...]) -> bool:
+    return UNREAD not in vals
 
 
 def _dtype(t) -> str:
@@ -341,6 +357,8 @@ def _boundaries_problem(c: _Call) -> str:
     vals = _int_list(cu)
     if vals is None or len(vals) < 2:
         return "cu_seqlens must be a 1-D integer tensor [documents + 1]"
+    if not _known(vals):
+        return ""
     if vals[0] != 0 or any(b < a for a, b in zip(vals, vals[1:])):
         return (
             f"cu_seqlens must start at 0 and never decrease (it starts at {vals[0]}): give the cumulative "
@@ -370,6 +388,8 @@ def _seqlens_problem(c: _Call) -> str:
     real = _int_list(c.o["seqlens"])
     if real is None or len(real) != len(vals) - 1:
         return f"seqlens (real document lengths) must be a 1-D integer tensor of {len(vals) - 1} entries"
+    if not (_known(vals) and _known(real)):
+        return ""
     if any(n < 0 or n > b - a for n, a, b in zip(real, vals, vals[1:])):
         return "seqlens: every real document length must be between 0 and its padded length (cu_seqlens)"
     return ""
@@ -385,7 +405,7 @@ def _per_document_problem(c: _Call) -> str:
             "shard the packed stream with token_order='load_balanced' instead"
         )
     vals = _int_list(c.o["cu_seqlens"])
-    if any((b - a) % need for a, b in zip(vals, vals[1:])):
+    if _known(vals) and any((b - a) % need for a, b in zip(vals, vals[1:])):
         return (
             f"token_order='per_document' deals every document out in {need} chunks, so every (padded) "
             f"document length must be a multiple of {need}: pad the documents (cu_seqlens_padded), or "
@@ -562,10 +582,20 @@ def verdict(records: Sequence[CallRecord], degree: int) -> Optional[str]:
 
 
 def exchange(rec: CallRecord, group) -> List[CallRecord]:
-    """Every rank's record (one all_gather_object: a first call of a signature only)."""
+    """Every rank's record (one all_gather_object: a first call of a signature only).  In a fake
+    world (torch's ``"fake"`` backend: the dry run's cluster in one process) every rank is this
+    rank, so its own record stands for all of them."""
+    if is_fake_group(group):
+        return [rec] * dist.get_world_size(group)
     out: List[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, rec, group=group)
     return out
+
+
+def is_fake_group(group) -> bool:
+    """Whether ``group`` runs on torch's ``"fake"`` backend (``FakeStore``): collectives return
+    shapes, not peers' data."""
+    return dist.get_backend(group) == "fake"
 
 
 def check_call(
