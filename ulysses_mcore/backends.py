@@ -104,7 +104,7 @@ def sdpa_attention(
         lse_kw = dict(attention_mask=attention_mask, attention_bias=attention_bias, cu_seqlens=cu_seqlens)
         lse_kw.update(window_size=window_size, softmax_offset=softmax_offset, return_lse=return_lse)
         return ring_attention(
-            q, k, v, group=None, causal=causal, softmax_scale=softmax_scale, layout=layout, tile=LSE_TILE, **lse_kw
+            q, k, v, group=None, causal=causal, softmax_scale=softmax_scale, layout=layout, tile=_lse_tile(q), **lse_kw
         )
     if cu_seqlens is not None:
         return _sdpa_varlen(
@@ -130,6 +130,13 @@ def sdpa_attention(
         qb, kb, vb, attn_mask=mask, dropout_p=dropout_p, is_causal=False, scale=softmax_scale, enable_gqa=gqa
     )
     return _from_bhsd(out, layout)
+
+
+def _lse_tile(q) -> Optional[int]:
+    """Tiles for the log-sum-exp kernel: on CUDA none where the flash kernel takes the call whole
+    (windows through its own arguments; the ring engine tiles by itself what it cannot fuse), on
+    the CPU ``LSE_TILE`` tokens (its flash kernel has no window)."""
+    return None if q.device.type == "cuda" else LSE_TILE
 
 
 def _sdpa_mask(attention_mask, attention_bias, causal: bool, S: int, Sk: int, dtype, device):
@@ -215,6 +222,7 @@ def torch_varlen_applies(q, v) -> bool:
         and q.device.type == "cuda"
         and q.dtype in (torch.float16, torch.bfloat16)
         and q.shape[-1] == v.shape[-1] <= 256
+        and q.shape[-1] % 8 == 0
     )
 
 
@@ -294,6 +302,21 @@ def flash_choice(fa2: bool, fa3: bool, *, dropout: bool, mla: bool) -> Tuple[Opt
 def flash_installed() -> Tuple[bool, bool]:
     """(flash-attn 2 importable, flash-attn 3 importable)."""
     return _installed("flash_attn"), _installed("flash_attn_interface")
+
+
+FLASH_HEAD_DIM_STEP, FLASH_MAX_HEAD_DIM = 8, 256  # flash-attn's kernels: head dims in multiples of 8, up to 256
+
+
+def flash_head_dim_problem(d: int, dv: int) -> str:
+    """Why flash-attn's kernels cannot take these head dims ("" if they can)."""
+    bad = [x for x in dict.fromkeys((d, dv)) if x % FLASH_HEAD_DIM_STEP or x > FLASH_MAX_HEAD_DIM]
+    if not bad:
+        return ""
+    return (
+        f"backend='flash' takes head dims that are multiples of {FLASH_HEAD_DIM_STEP} up to {FLASH_MAX_HEAD_DIM} "
+        f"(query/key {d}, value {dv}): use backend='sdpa' or 'te', or a head dim such as "
+        f"{min(FLASH_MAX_HEAD_DIM, -(-bad[0] // FLASH_HEAD_DIM_STEP) * FLASH_HEAD_DIM_STEP)}"
+    )
 
 
 def flash_problem(dropout: bool, mla: bool) -> str:

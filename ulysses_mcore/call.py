@@ -26,7 +26,7 @@ from .backends import plain_sdpa_kernel, resolve, te_attention
 from .exchange import HeadPlan, OutRoute, exchange_out, exchange_qkv, kv_index, pack_lse, qkv_route, seq_dim, unpack_lse
 from .options import AttentionOptions
 from .orders import token_orders
-from .validation import check_call, is_fake_group
+from .validation import check_call, has_values, is_fake_group
 
 
 class CallTensors(NamedTuple):
@@ -228,7 +228,7 @@ def held_bytes(obj, depth: int = 6) -> int:
     while todo:
         x, d = todo.pop()
         if isinstance(x, torch.Tensor):
-            ptr = x.untyped_storage().data_ptr() if x.device.type != "meta" else id(x)
+            ptr = x.untyped_storage().data_ptr() if has_values(x) else id(x)
             total += 0 if ptr in storages else x.untyped_storage().nbytes()
             storages.add(ptr)
         elif d < depth and id(x) not in seen:

@@ -145,14 +145,31 @@ class _Block:
     def fused(self, q, same_dims: bool = True) -> bool:
         """Whether a fused flash kernel (:func:`fused_kernel`) can take this block: one head dim, no
         mask, bias or document boundary inside it, and of the window only the causal triangle of an
-        aligned diagonal block."""
-        if fused_kernel(q, same_dims) is None:
+        aligned diagonal block -- or, on CUDA, any window the kernel's own window arguments express
+        (:meth:`flash_window`)."""
+        kernel = fused_kernel(q, same_dims)
+        if kernel is None:
             return False
         if self.mask is not None or self.bias is not None or self.docs is not None:
             return False
         if not self.windowed:
             return True
+        if kernel == "cuda":
+            return self.flash_window() is not None
         return not self.cut_left and self.window[1] == 0 and self.qs == self.ks and self.qn == self.kn
+
+    def flash_window(self) -> Optional[Tuple[int, int]]:
+        """The block's window as the CUDA flash kernel's ``(window_size_left, window_size_right)``
+        (-1 unbounded), or ``None`` if it cannot say it.  The kernel aligns the last query with the
+        last key: local query ``a`` sees local keys ``a + kn - qn - wl .. a + kn - qn + wr``; the
+        block's global window is ``qs + a - left .. qs + a + right``."""
+        left, right = self.window
+        shift = self.qs - self.ks - (self.kn - self.qn)  # global offset of query a's key column
+        wl = -1 if left is None else left - shift
+        wr = -1 if right is None else right + shift
+        if (left is not None and wl < 0) or (right is not None and wr < 0):
+            return None
+        return wl, wr
 
     def scores(self, q, k):
         """``q [b, hk, g, qn, d]``, ``k [b, hk, 1, kn, d]`` -> ``[b, hk, g, qn, kn]``, -inf where masked."""
@@ -201,14 +218,16 @@ def fused_kernel(q, same_dims: bool = True) -> Optional[str]:
         return None
     if dev == "cpu":
         return "cpu" if _CPU_FLASH is not None else None
-    return "cuda" if _CUDA_FLASH is not None and q.shape[-1] <= 256 else None
+    return "cuda" if _CUDA_FLASH is not None and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0 else None
 
 
 def call_is_fused(q, same_dims: bool, mask, bias, docs, window_size) -> bool:
     """Whether every block of a call can take the fused kernel (then segments run whole, else the
-    matmul engine's blocks are tiled to ``LSE_TILE`` tokens)."""
-    plain = mask is None and bias is None and docs is None and not has_window(window_size)
-    return plain and fused_kernel(q, same_dims) is not None
+    matmul engine's blocks are tiled to ``LSE_TILE`` tokens).  A window: on CUDA only, where the
+    flash kernel takes it as its own arguments (:meth:`_Block.flash_window`)."""
+    plain = mask is None and bias is None and docs is None
+    kernel = fused_kernel(q, same_dims)
+    return plain and kernel is not None and (kernel == "cuda" or not has_window(window_size))
 
 
 def _expand4(t, g):
@@ -253,11 +272,20 @@ def _cuda_forward(q, k, v, blk):
         n,
         kn,
         0.0,
-        blk.windowed,
         False,
-        scale=blk.scale,
+        False,
+        **_cuda_window(blk),
     )[:2]
     return out.view(b, n, hk, g, -1).permute(0, 2, 3, 1, 4), lse.view(hk, g, b, n).permute(2, 0, 1, 3)
+
+
+def _cuda_window(blk) -> dict:
+    """The CUDA flash kernel's scale and window keywords for a block (causality is a window whose
+    right reach is 0; a block with no pair outside the window runs unwindowed)."""
+    kw = dict(scale=blk.scale)
+    if blk.windowed:
+        kw["window_size_left"], kw["window_size_right"] = blk.flash_window()
+    return kw
 
 
 def _cuda_backward(do, q, k, v, out, lse, blk):
@@ -275,10 +303,10 @@ def _cuda_backward(do, q, k, v, out, lse, blk):
         n,
         kn,
         0.0,
-        blk.windowed,
+        False,
         torch.zeros(2, dtype=torch.uint64, device=q.device),  # rng state: no dropout
         torch.empty(0, device=q.device),
-        scale=blk.scale,
+        **_cuda_window(blk),
     )
     return (
         gq.view(b, n, hk, g, d).permute(0, 2, 3, 1, 4),
@@ -447,6 +475,8 @@ class LseAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         kv = torch.cat([k, v], dim=-1)
         incoming = None  # (buffer, work): the partial dk/dv of the block computed next, in flight
+        if not (fused_ok and same) and not tile:  # untiled because the forward fused it whole:
+            tile = LSE_TILE  # the matmul engine's backward holds one tile of scores at a time
         my_segs = tile_segments(ring_segments(me, C, seq_len, order), tile)
         for step in range(C):
             src = (me - step) % C

@@ -26,7 +26,14 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import is_fake
 
-from .backends import BUILTIN_BACKENDS, backend_error, callable_accepts, callable_option_error, flash_problem
+from .backends import (
+    BUILTIN_BACKENDS,
+    backend_error,
+    callable_accepts,
+    callable_option_error,
+    flash_head_dim_problem,
+    flash_problem,
+)
 from .exchange import LAYOUTS, head_layout_error, is_even, overlap_error, seq_dim
 from .options import AttentionOptions, has_window, options_set
 from .orders import TOKEN_ORDERS
@@ -175,6 +182,8 @@ def _shape_problem(c: _Call) -> str:
             f"query and key disagree in head dim (dim {hdim + 1} of {c.names}): {q.shape[-1]}, {k.shape[-1]} "
             f"(value's may differ, as in multi-latent attention; query's and key's must match)"
         )
+    if c.backend == "flash" and flash_head_dim_problem(q.shape[-1], v.shape[-1]):
+        return flash_head_dim_problem(q.shape[-1], v.shape[-1])
     if c.backend == "flash" and backend_error("flash") is None:
         why = flash_problem(bool(c.o.get("dropout_p")), c.mla)
         if why:
