@@ -43,6 +43,8 @@ HOST_SIDE = {
     ("ulysses_mcore/megatron/batch.py", "document_boundaries"): "data path: host batches, moved by training.to_device",
     ("ulysses_mcore/megatron/data.py", "write_indexed_dataset"): "preprocessing on the host",
     ("ulysses_mcore/megatron/data.py", "microbatches"): "data path: host batches, moved by training.to_device",
+    ("ulysses_mcore/megatron/dryrun.py", "_batch"): "dry run: a host batch, moved by training.to_device",
+    ("ulysses_mcore/megatron/dryrun.py", "_dynamic_cell"): "dry run: a host cell, moved by training.to_device",
     ("ulysses_mcore/megatron/dynamic.py", "_cell"): "data path: a cell's host batch, moved by training.to_device",
     ("ulysses_mcore/megatron/module.py", "_sinks"): "build time: moved with the model by build_gpt",
     ("ulysses_mcore/megatron/module.py", "_initial_sinks"): "build time: moved with the model by build_gpt",

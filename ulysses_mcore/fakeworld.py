@@ -227,10 +227,10 @@ def flop_mapping(docs: Optional[List[int]] = None) -> dict:
         return 2 * _sdpa_flops(q, k, v, is_causal)
 
     def varlen_fwd(q, k, v, cq, ck, mq, mk, dropout_p, is_causal, *a, out_shape=None, **kw):
-        return _varlen_flops(q, cq, mq, is_causal, v[-1], docs)
+        return _varlen_flops(q, cq, mq, is_causal or kw.get("window_size_right") == 0, v[-1], docs)
 
     def varlen_bwd(grad, q, k, v, out, lse, cq, ck, mq, mk, dropout_p, is_causal, *a, out_shape=None, **kw):
-        return 2 * _varlen_flops(q, cq, mq, is_causal, v[-1], docs)
+        return 2 * _varlen_flops(q, cq, mq, is_causal or kw.get("window_size_right") == 0, v[-1], docs)
 
     def torch_varlen(q, k, v, cq, ck, mq, mk, is_causal=False, *a, out_shape=None, **kw):
         return _varlen_flops(q, cq, mq, is_causal, v[-1], docs)
@@ -316,6 +316,7 @@ def _topological(root) -> list:
 
 # ----------------------------------------------------------------------------- findings
 HOST_READ = "DataDependentOutputException"
+_NOT_THE_SOURCE = ("fakeworld.py", "fake_cuda.py")  # the stand-ins' own frames; torch's are skipped by path
 DEVICE_MISMATCH = "FakeTensorDeviceMismatchError"
 
 
@@ -325,7 +326,11 @@ def finding(exc: BaseException) -> Optional[str]:
     kind = type(exc).__name__
     if kind not in (HOST_READ, DEVICE_MISMATCH):
         return None
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/torch/" not in f.filename]
+    frames = [
+        f
+        for f in traceback.extract_tb(exc.__traceback__)
+        if "/torch/" not in f.filename and not f.filename.endswith(_NOT_THE_SOURCE)
+    ]
     where = f"{frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else "torch internals"
     what = "host read of a CUDA tensor" if kind == HOST_READ else "device mismatch"
     return f"{what} at {where}: {exc}"

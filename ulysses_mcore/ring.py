@@ -272,19 +272,23 @@ def _cuda_forward(q, k, v, blk):
         n,
         kn,
         0.0,
-        False,
-        False,
+        return_debug_mask=False,
         **_cuda_window(blk),
     )[:2]
     return out.view(b, n, hk, g, -1).permute(0, 2, 3, 1, 4), lse.view(hk, g, b, n).permute(2, 0, 1, 3)
 
 
 def _cuda_window(blk) -> dict:
-    """The CUDA flash kernel's scale and window keywords for a block (causality is a window whose
-    right reach is 0; a block with no pair outside the window runs unwindowed)."""
-    kw = dict(scale=blk.scale)
+    """The CUDA flash kernel's ``is_causal``, scale and window keywords for a block: a block with no
+    pair outside the window runs unwindowed, the causal triangle as ``is_causal``, any other window
+    through the kernel's own window arguments."""
+    kw = dict(is_causal=False, scale=blk.scale)
     if blk.windowed:
-        kw["window_size_left"], kw["window_size_right"] = blk.flash_window()
+        window = blk.flash_window()
+        if window == (-1, 0):
+            kw["is_causal"] = True
+        else:
+            kw["window_size_left"], kw["window_size_right"] = window
     return kw
 
 
@@ -303,9 +307,8 @@ def _cuda_backward(do, q, k, v, out, lse, blk):
         n,
         kn,
         0.0,
-        False,
-        torch.zeros(2, dtype=torch.uint64, device=q.device),  # rng state: no dropout
-        torch.empty(0, device=q.device),
+        rng_state=torch.zeros(2, dtype=torch.uint64, device=q.device),  # no dropout
+        unused=torch.empty(0, device=q.device),
         **_cuda_window(blk),
     )
     return (
@@ -398,6 +401,12 @@ def _sink_grad(sink, q, lse, D):
     return -(_safe_exp_diff(s5.expand_as(lse), lse) * D).sum((0, 3)).reshape(-1).to(sink.dtype)
 
 
+def _backward_tile(tile, fused: bool):
+    """The backward's tiles: the forward's, or -- where the forward fused a call whole but its backward
+    runs the matmul engine (a gradient of the lse) -- ``LSE_TILE`` tokens, one tile of scores at a time."""
+    return tile if fused or tile else LSE_TILE
+
+
 class LseAttention(torch.autograd.Function):
     """``q [b, hk, g, Sq, d]``, ``k [b, hk, 1, Sk, d]``, ``v [b, hk, 1, Sk, dv]`` of this ring rank
     -> ``(out [b, hk, g, Sq, dv], lse [b, hk, g, Sq])``, both differentiable.
@@ -475,8 +484,7 @@ class LseAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         kv = torch.cat([k, v], dim=-1)
         incoming = None  # (buffer, work): the partial dk/dv of the block computed next, in flight
-        if not (fused_ok and same) and not tile:  # untiled because the forward fused it whole:
-            tile = LSE_TILE  # the matmul engine's backward holds one tile of scores at a time
+        tile = _backward_tile(tile, fused_ok and same)
         my_segs = tile_segments(ring_segments(me, C, seq_len, order), tile)
         for step in range(C):
             src = (me - step) % C

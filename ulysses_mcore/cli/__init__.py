@@ -1,6 +1,7 @@
 """``ulysses-mcore``: the one installed command.
 
     ulysses-mcore pretrain [flags]        train a GPT (Megatron-LM's flags + --ulysses-degree); torchrun it
+    ulysses-mcore dryrun [flags]          the model at full size on fake CUDA (no GPU): kernels, memory, FLOPs
     ulysses-mcore plan [flags]            per-rank memory, all-to-all bytes, longest sequence in a budget
     ulysses-mcore topology [flags]        the groups of a layout, what crosses a node, heads and tokens
     ulysses-mcore sweep|fit|predict|report [flags]   measure layouts, calibrate and use the step-time model
@@ -20,6 +21,7 @@ from typing import List, Optional
 # command -> (module with main(argv), one line of help, whether the module's own parser takes the command word)
 COMMANDS = {
     "pretrain": ("ulysses_mcore.megatron.pretrain", "train a GPT with Megatron-Core and Ulysses (run under torchrun)", False),
+    "dryrun": ("ulysses_mcore.cli.dryrun", "the trainer's model at cluster size on fake CUDA: kernels, host reads, memory, FLOPs", False),
     "plan": ("ulysses_mcore.cli.plan", "per-rank memory and all-to-all bytes; the longest sequence that fits", False),
     "topology": ("ulysses_mcore.cli.topology", "process groups of a layout, node crossings, heads and tokens", False),
     "sweep": ("ulysses_mcore.cli.scaling", "measure every layout of a world (resumable)", True),

