@@ -10,9 +10,12 @@ finishes (a failing one is recorded and the next runs; exit 1 if any failed):
 * ``losses``: the trainer's default model (fp32, TF32 off), 20 optimizer steps on fixed synthetic
   batches, the same weights for any device (``init_layout_independent``); on CUDA beside the CPU
   run of this same section (``docs/perf/gpu_model_cpu_losses.json``, made with ``--device cpu``);
-* ``speed``: bf16, 20 steps: Ulysses' local spec (sdpa) against Megatron's own local spec
-  (``DotProductAttention``, no Ulysses), and the TE specs (Ulysses' TE child against Megatron's
-  ``TEDotProductAttention``) where Transformer Engine is installed: tokens/s and peak memory;
+* ``peak``: the device's dense matmul throughput (bf16 on CUDA): MFU's denominator;
+* ``speed``: bf16, 12 steps (9 timed): Ulysses' local spec at degree 1 against the baseline -- the
+  same SDPA call without Ulysses (target: >= 0.98x its tokens/s, the same peak) -- and Ulysses with
+  the chunked loss; labelled extra rows: Megatron's unfused ``DotProductAttention`` (fp32 softmax),
+  SDPA's cuDNN kernel, the TE specs where Transformer Engine is installed.  Tokens/s over the timed
+  steps, peak memory, MFU from one step's FLOPs counted by ``FlopCounterMode``;
 * ``profile``: one step of the Ulysses model under ``torch.profiler`` and a GEMM recorder: fp32
   GEMMs, copy kernels and synchronisations, listed;
 * ``lengths``: tokens/s and peak memory of the Ulysses model per sequence length, doubling until
@@ -24,6 +27,8 @@ the GPU lease never meets a function that is gone; ``--device cpu --sections los
 """
 
 import argparse
+import dataclasses
+import gc
 import json
 import os
 import sys
@@ -52,18 +57,60 @@ def build(size, dtype, spec, seq, vocab, seed=1234):
     return model, training.build_optimizer(model, lr=1e-3, bf16=bf16)
 
 
+class PlainSdpaAttention(torch.nn.Module):
+    """The baseline core attention: the same SDPA call as Ulysses' local route (``sdpa_plain``), without
+    Ulysses (no exchange, no validation, no prepared-call cache).  ``cudnn``: SDPA held to its cuDNN
+    kernel (a labelled extra row)."""
+
+    cudnn = False
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                 softmax_scale=None, **kw):  # fmt: skip
+        super().__init__()
+        self.softmax_scale = softmax_scale
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, **kw):
+        from ulysses_mcore.backends import sdpa_plain
+
+        gqa = query.shape[2] != key.shape[2]
+        if self.cudnn:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                out = sdpa_plain(query, key, value, causal=True, softmax_scale=self.softmax_scale, gqa=gqa)
+        else:
+            out = sdpa_plain(query, key, value, causal=True, softmax_scale=self.softmax_scale, gqa=gqa)
+        return out.reshape(out.shape[0], out.shape[1], -1)
+
+
+class CudnnSdpaAttention(PlainSdpaAttention):
+    cudnn = True
+
+
+def _with_core_attention(spec, core):
+    """Megatron's local layer spec with ``core`` as its core attention."""
+    sa = spec.submodules.self_attention
+    sub = dataclasses.replace(sa.submodules, core_attention=core)
+    return dataclasses.replace(
+        spec, submodules=dataclasses.replace(spec.submodules, self_attention=dataclasses.replace(sa, submodules=sub))
+    )
+
+
 def spec_of(name):
-    """Layer specs by name: Ulysses' (local / TE) and Megatron's own (no Ulysses)."""
+    """Layer specs by name: Ulysses' (local / TE), the baseline (the same kernel without Ulysses) and
+    Megatron's own (no Ulysses)."""
     from megatron.core.models.gpt import gpt_layer_specs as g
 
     from ulysses_mcore.megatron.specs import get_ulysses_layer_spec
 
     return {
-        "ulysses-local": lambda: get_ulysses_layer_spec("local"),
+        "ulysses-sdpa": lambda: get_ulysses_layer_spec("local"),
+        "baseline-sdpa": lambda: _with_core_attention(g.get_gpt_layer_local_spec(), PlainSdpaAttention),
+        "baseline-cudnn": lambda: _with_core_attention(g.get_gpt_layer_local_spec(), CudnnSdpaAttention),
         "megatron-local": g.get_gpt_layer_local_spec,
         "ulysses-te": lambda: get_ulysses_layer_spec("te"),
         "megatron-te": g.get_gpt_layer_with_transformer_engine_spec,
-    }[name]()
+    }[name.replace(" + chunked loss", "")]()
 
 
 def batches(n, seq, vocab, seed=0):
@@ -73,18 +120,25 @@ def batches(n, seq, vocab, seed=0):
     return [make_lm_batch(torch.randint(0, vocab, (1, seq + 1), generator=gen)) for _ in range(n)]
 
 
-def steps(model, optimizer, data, seq, dev):
-    """Optimizer steps over ``data`` (one micro-batch each): (losses, seconds of the steps after the first 3)."""
+def steps(model, optimizer, data, seq, dev, warm=3):
+    """Optimizer steps over ``data`` (one micro-batch each): (losses, seconds of the timed steps, how
+    many were timed) -- the first ``warm`` (at most all but one) are not timed."""
     from ulysses_mcore.megatron import training
 
     losses, t0 = [], None
+    first = min(warm, len(data) - 1)
     for i, b in enumerate(data):
-        if i == min(3, len(data) - 1):
+        if i == first:
             sync(dev)
             t0 = time.perf_counter()
         losses.append(training.train_step(model, optimizer, [b], seq_length=seq, micro_batch_size=1)["loss"])
     sync(dev)
-    return losses, time.perf_counter() - t0
+    return losses, time.perf_counter() - t0, len(data) - first
+
+
+def tokens_per_s(seq: int, seconds: float, timed: int) -> float:
+    """Tokens per second of ``timed`` steps of one ``seq``-token micro-batch that took ``seconds``."""
+    return timed * seq / seconds
 
 
 def sync(dev):
@@ -97,6 +151,9 @@ def peak(dev):
 
 
 def fresh(dev):
+    """Every earlier model gone before the next is built: the trainer's DDP and its config refer to each
+    other (``config.no_sync_func = ddp.no_sync``), so only the cycle collector frees them."""
+    gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -107,8 +164,8 @@ def section_losses(dev, quick):
     if dev.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     seq, vocab, n = 256, 512, 5 if quick else 20
-    model, opt = build(TINY, torch.float32, spec_of("ulysses-local"), seq, vocab)
-    losses, _ = steps(model, opt, batches(n, seq, vocab), seq, dev)
+    model, opt = build(TINY, torch.float32, spec_of("ulysses-sdpa"), seq, vocab)
+    losses, _, _ = steps(model, opt, batches(n, seq, vocab), seq, dev)
     ref = json.load(open(CPU_LOSSES))["losses"] if os.path.exists(CPU_LOSSES) else None
     rows = []
     for i, loss in enumerate(losses):
@@ -117,13 +174,25 @@ def section_losses(dev, quick):
     return rows
 
 
+CHUNK_TOKENS = 2048  # the chunked loss's chunk (--loss-chunk-tokens)
+EXTRA = {  # labelled extra rows: not the baseline, shown beside it
+    "megatron-local": "extra: Megatron's unfused DotProductAttention (fp32 softmax), not Ulysses' cost",
+    "baseline-cudnn": "extra: SDPA's cuDNN kernel without Ulysses",
+    "megatron-te": "extra: Megatron's TEDotProductAttention",
+}
+
+
 def _variants(dev):
+    """(variant names to run, (name, why skipped) pairs): Ulysses at degree 1 and the baseline, the
+    chunked loss, the labelled extra rows where they run."""
     from ulysses_mcore import backends
 
-    names = ["ulysses-local"] + (["megatron-local"] if dev.type == "cuda" else [])
+    names = ["baseline-sdpa", "ulysses-sdpa", "ulysses-sdpa + chunked loss"]
     skipped = []
-    if dev.type != "cuda":
-        skipped.append(("megatron-local", "Megatron's DotProductAttention needs CUDA"))
+    if dev.type == "cuda":
+        names += ["megatron-local", "baseline-cudnn"]
+    else:
+        skipped += [(n, "needs CUDA") for n in ("megatron-local", "baseline-cudnn")]
     if backends.backend_error("te"):
         skipped += [(n, "transformer-engine is not installed") for n in ("ulysses-te", "megatron-te")]
     else:
@@ -131,28 +200,61 @@ def _variants(dev):
     return names, skipped
 
 
-def section_speed(dev, quick):
-    size, seq, vocab, n = (TINY, 256, 512, 5) if quick else (SPEED, 8192, 32768, 20)
+def _measure(name, size, dtype, seq, vocab, data, dev):
+    """One variant: tokens/s over the timed steps, peak memory, FLOPs of one step (counted)."""
+    from ulysses_mcore.fakeworld import flop_counter
+
+    fresh(dev)
+    model, opt = build(size, dtype, spec_of(name), seq, vocab)
+    if name.endswith("chunked loss"):
+        from ulysses_mcore.megatron.memory import enable_chunked_loss
+
+        enable_chunked_loss(model.module, CHUNK_TOKENS)
+    with flop_counter() as flops:
+        steps(model, opt, data[:1], seq, dev)
+    losses, secs, timed = steps(model, opt, data, seq, dev)
+    row = {"variant": name, "tokens_per_s": tokens_per_s(seq, secs, timed), "peak_gb": peak(dev)}
+    row.update(last_loss=losses[-1], step_tflop=flops.get_total_flops() / 1e12, step_s=secs / timed)
+    if name in EXTRA:
+        row["note"] = EXTRA[name]
+    del model, opt
+    return row
+
+
+def section_speed(dev, quick, bf16_tflops=None):
+    """Ulysses at degree 1 against the same kernel without Ulysses (the baseline: target >= 0.98x its
+    tokens/s, the same peak), with the chunked loss and the labelled extra rows; MFU from the counted
+    FLOPs against the bf16 peak measured on this device."""
+    size, seq, vocab, n = (TINY, 256, 512, 5) if quick else (SPEED, 8192, 32768, 12)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     names, skipped = _variants(dev)
     data = batches(n, seq, vocab)
-    rows = [{"variant": name, "skipped": why} for name, why in skipped]
-    for name in names:
-        fresh(dev)
-        model, opt = build(size, dtype, spec_of(name), seq, vocab)
-        losses, secs = steps(model, opt, data, seq, dev)
-        timed = n - min(3, n - 1)
-        rows.append(
-            {"variant": name, "tokens_per_s": timed * seq / secs, "peak_gb": peak(dev), "last_loss": losses[-1]}
-        )
-        del model, opt
-    base = {r["variant"].split("-")[1]: r for r in rows if r["variant"].startswith("megatron") and "tokens_per_s" in r}
+    rows = [{"variant": name, "skipped": f"{name}: {why}"} for name, why in skipped]
+    rows += [_measure(name, size, dtype, seq, vocab, data, dev) for name in names]
+    base = next(r for r in rows if r["variant"] == "baseline-sdpa")
     for r in rows:
-        b = base.get(r["variant"].split("-")[1])
-        if b and r["variant"].startswith("ulysses") and "tokens_per_s" in r:
-            r["vs_megatron"] = r["tokens_per_s"] / b["tokens_per_s"]
-            r["memory_vs_megatron"] = r["peak_gb"] / b["peak_gb"] if b["peak_gb"] else None
+        if "tokens_per_s" in r:
+            r["vs_baseline"] = r["tokens_per_s"] / base["tokens_per_s"]
+            r["memory_vs_baseline"] = r["peak_gb"] / base["peak_gb"] if base["peak_gb"] else None
+            if bf16_tflops:
+                r["mfu"] = r["step_tflop"] / r["step_s"] / bf16_tflops
     return rows
+
+
+def section_peak(dev, quick):
+    """The device's dense matmul throughput (bf16 on CUDA, fp32 on the CPU): MFU's denominator."""
+    n = 512 if quick else 8192
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    a, b = (torch.randn(n, n, device=dev, dtype=dtype) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    sync(dev)
+    reps, t0 = 10 if quick else 50, time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    sync(dev)
+    secs = (time.perf_counter() - t0) / reps
+    return [{"dtype": str(dtype).replace("torch.", ""), "n": n, "tflops": 2 * n**3 / secs / 1e12}]
 
 
 def section_profile(dev, quick):
@@ -163,9 +265,9 @@ def section_profile(dev, quick):
 
     size, seq, vocab = (TINY, 256, 512) if quick else (SPEED, 8192, 32768)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    model, opt = build(size, dtype, spec_of("ulysses-local"), seq, vocab)
+    model, opt = build(size, dtype, spec_of("ulysses-sdpa"), seq, vocab)
     data = batches(3, seq, vocab)
-    steps(model, opt, data[:2], seq, dev)  # warm: the first call validates and prepares
+    steps(model, opt, data[:2], seq, dev, warm=1)  # warm: the first call validates and prepares
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     with profile(activities=acts) as prof, GemmRecorder() as rec:
         steps(model, opt, data[2:], seq, dev)
@@ -188,9 +290,9 @@ def section_lengths(dev, quick):
     while seq <= (512 if quick else 1 << 20) and time.perf_counter() - t0 < 60:  # 60 s for the section
         fresh(dev)
         try:
-            model, opt = build(size, dtype, spec_of("ulysses-local"), seq, vocab)
-            _, secs = steps(model, opt, batches(3, seq, vocab), seq, dev)
-            rows.append({"seq": seq, "tokens_per_s": 2 * seq / secs, "peak_gb": peak(dev)})
+            model, opt = build(size, dtype, spec_of("ulysses-sdpa"), seq, vocab)
+            _, secs, timed = steps(model, opt, batches(4, seq, vocab), seq, dev, warm=2)
+            rows.append({"seq": seq, "tokens_per_s": tokens_per_s(seq, secs, timed), "peak_gb": peak(dev)})
             print(f"[gpu_model_check] length {seq}: {rows[-1]}", flush=True)
         except torch.OutOfMemoryError:
             rows.append({"seq": seq, "skipped": "out of memory: the longest that fits is the row above"})
@@ -210,12 +312,17 @@ TABLES = {  # section -> (title, header, row format)
             + ("-" if r["rel"] is None else f"{r['rel']:.1e}")
         ),
     ),
+    "peak": (
+        "dense matmul throughput of this device (MFU's denominator)",
+        ["dtype", "n", "TFLOP/s"],
+        lambda r: f"{r['dtype']} | {r['n']} | {r['tflops']:.1f}",
+    ),
     "speed": (
-        "Ulysses vs Megatron's own attention (degree 1, bf16 on CUDA)",
-        ["variant", "tokens/s", "peak GB", "tokens/s vs Megatron", "memory vs Megatron"],
+        "Ulysses (degree 1) vs the same kernel without Ulysses (baseline-sdpa; target >= 0.98x, same peak)",
+        ["variant", "tokens/s", "peak GB", "vs baseline", "memory vs baseline", "MFU", "note"],
         lambda r: (
-            f"{r['variant']} | {r['tokens_per_s']:.0f} | {r['peak_gb']:.2f} | {r.get('vs_megatron') or '-'} | "
-            f"{r.get('memory_vs_megatron') or '-'}"
+            f"{r['variant']} | {r['tokens_per_s']:.0f} | {r['peak_gb']:.2f} | {r['vs_baseline']:.3f} | "
+            f"{_or_dash(r.get('memory_vs_baseline'))} | {_or_dash(r.get('mfu'))} | {r.get('note', '')}"
         ),
     ),
     "profile": (
@@ -229,7 +336,24 @@ TABLES = {  # section -> (title, header, row format)
         lambda r: f"{r['seq']} | {r['tokens_per_s']:.0f} | {r['peak_gb']:.2f}",
     ),
 }
-SECTIONS = {"losses": section_losses, "speed": section_speed, "profile": section_profile, "lengths": section_lengths}
+SECTIONS = {
+    "losses": section_losses,
+    "peak": section_peak,
+    "speed": section_speed,
+    "profile": section_profile,
+    "lengths": section_lengths,
+}
+
+
+def _or_dash(x):
+    return "-" if x is None else f"{x:.3f}"
+
+
+def _section(name, dev, quick, report):
+    """A section's function with what it needs of earlier sections (speed: the measured peak)."""
+    if name == "speed":
+        return lambda: section_speed(dev, quick, (report.res.get("peak") or [{}])[0].get("tflops"))
+    return lambda: SECTIONS[name](dev, quick)
 
 
 def main(argv=None):
@@ -243,7 +367,7 @@ def main(argv=None):
     dev = torch.device(a.device)
     world_of_one(dev, seed=1234)
     report = Report(a.out, "gpu_model", "GPTModel with UlyssesAttention", TABLES, dev)
-    status = report.run([(name, lambda name=name: SECTIONS[name](dev, a.quick)) for name in a.sections.split(",")])
+    status = report.run([(name, _section(name, dev, a.quick, report)) for name in a.sections.split(",")])
     losses = report.res.get("losses", [{}])
     if a.save_cpu_losses and dev.type == "cpu" and "loss" in losses[0]:
         with open(CPU_LOSSES, "w") as f:
