@@ -2,7 +2,8 @@
 
 Megatron asks the CUDA runtime for three things a machine without a GPU cannot answer: the current
 device's index (``torch.cuda.current_device()``, for parameters, RoPE and buffers), the CUDA RNG
-state (the RNG tracker's ``fork`` around dropout and initialisation) and pinned host memory
+state (the RNG tracker's ``fork`` around dropout and initialisation, activation recompute's saved
+state) and pinned host memory
 (``get_pos_emb_on_this_cp_rank``).  Inside :func:`stand_ins` each answers as it would on device 0
 of a GPU node; nothing else of Megatron changes, and everything is restored on exit.  Used by the
 dry run only (:mod:`ulysses_mcore.megatron.dryrun`).
@@ -38,11 +39,23 @@ def stand_ins():
     tensors on CUDA by default (norms and buffers Megatron builds without a device)."""
     from megatron.core.tensor_parallel import random as mrandom
 
-    saved = (torch.cuda.current_device, mrandom.CudaRNGStatesTracker.fork)
+    saved = (
+        torch.cuda.current_device,
+        mrandom.CudaRNGStatesTracker.fork,
+        mrandom._get_cuda_rng_state,
+        mrandom._set_cuda_rng_state,
+    )
     torch.cuda.current_device = lambda: 0
     mrandom.CudaRNGStatesTracker.fork = _no_rng_fork
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.zeros(16, dtype=torch.uint8, device="cpu")  # recompute
+    mrandom._set_cuda_rng_state = lambda *a, **k: None
     try:
         with torch.device("cuda"), _NoPinning():
             yield
     finally:
-        torch.cuda.current_device, mrandom.CudaRNGStatesTracker.fork = saved
+        (
+            torch.cuda.current_device,
+            mrandom.CudaRNGStatesTracker.fork,
+            mrandom._get_cuda_rng_state,
+            mrandom._set_cuda_rng_state,
+        ) = saved
