@@ -1,6 +1,7 @@
 """ulysses_mcore.call: a signature is validated and prepared once, then reused; the cache key
 sees every input the verdict depends on."""
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -136,7 +137,6 @@ def test_every_call_agreement_turns_a_late_mismatch_into_the_same_error_on_every
     """Both ranks' signatures A and B were checked and cached; then rank 0 calls A while rank 1
     calls B.  With check="every_call" both raise the same ValueError (plain caching would enter an
     all-to-all of mismatched sizes)."""
-    import pytest
 
     def fn(rank, world):
         cache = CallCache()
@@ -168,3 +168,44 @@ def test_every_call_agreement_is_one_small_all_reduce():
         res = run_threaded(2, fn)
     for d in res:
         assert d == {"all_reduce": 1, "all_to_all_single": 2}, d
+
+
+@pytest.mark.parametrize("order", ["new/cached", "cached/new", "new/new", "both cached, swapped"])
+def test_every_call_never_hangs_whatever_each_rank_has_cached(order):
+    """Rank 0 and rank 1 call different signatures; which of them each rank met before varies.
+    Every order ends in the same ValueError on both ranks (no rank in a collective its peer skips)."""
+
+    def fn(rank, world):
+        cache = CallCache()
+        a = [torch.randn(4, 1, 2, 8) for _ in range(3)]
+        b = [torch.randn(6, 1, 2, 8) for _ in range(3)]
+        seen = {"new/cached": [a], "cached/new": [a], "new/new": [], "both cached, swapped": [a, b]}[order]
+        for x in seen:  # both ranks make the same earlier calls
+            cache.run(*x, OPTS, dist.group.WORLD, None, check="every_call")
+        mine = {"new/cached": (b, a), "cached/new": (a, b), "new/new": (b, [t[:2] for t in b])}.get(order, (b, a))
+        with pytest.raises(ValueError) as e:
+            cache.run(*mine[rank], OPTS, dist.group.WORLD, None, check="every_call")
+        return str(e.value)
+
+    first, second = run_threaded(2, fn, timeout=60)
+    assert first == second and "ulysses_attention:" in first
+
+
+def test_every_call_refuses_boundaries_that_differ_between_ranks_on_a_later_micro_batch():
+    """Packed documents: the same signature, cu_seqlens [0, 10, 32] on one rank and [0, 20, 32] on the
+    other after an agreeing first batch -- the same ValueError on both (the default check trusts later
+    boundaries; every_call agrees on them: a device-side digest in the same all-reduce)."""
+    thd = attention_options(causal=True, layout="thd")
+
+    def fn(rank, world):
+        cache = CallCache()
+        q, k, v = (torch.randn(16, 2, 8) for _ in range(3))
+        first = CallTensors(cu_seqlens=torch.tensor([0, 16, 32]))
+        cache.run(q, k, v, thd, dist.group.WORLD, None, first, check="every_call")
+        later = CallTensors(cu_seqlens=torch.tensor([0, 10, 32] if rank == 0 else [0, 20, 32]))
+        with pytest.raises(ValueError) as e:
+            cache.run(q, k, v, thd, dist.group.WORLD, None, later, check="every_call")
+        return str(e.value)
+
+    first, second = run_threaded(2, fn, timeout=60)
+    assert first == second and "cu_seqlens" in first

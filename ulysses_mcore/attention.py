@@ -8,6 +8,7 @@ runs the prepared call of the signature (:mod:`ulysses_mcore.call`).  The Megatr
 
 from __future__ import annotations
 
+import atexit
 from typing import Optional, Tuple, Union
 
 import torch
@@ -60,9 +61,11 @@ def ulysses_attention(
     a typed record of every rank's inputs, so a bad input raises the same ``ValueError`` on every
     rank instead of hanging a collective; the call is then prepared once (:mod:`ulysses_mcore.call`),
     so later calls validate nothing and recompute nothing.  ``check=False`` skips the exchange.
-    ``check="every_call"`` (shapes that change from call to call): also, every later call first
-    agrees with its group on its signature (one all-reduce of two integers), so ranks whose calls
-    differ raise the same ``ValueError`` instead of entering an all-to-all of mismatched sizes.
+    ``check="every_call"`` (shapes or documents that change from call to call): also, every call
+    first agrees with its group on its signature, its document boundaries and whether any rank meets
+    it for the first time (one all-reduce of five integers), so ranks whose calls differ raise the
+    same ``ValueError`` instead of entering an all-to-all of mismatched sizes.  The default trusts
+    the boundaries of a later packed micro-batch (only the first of a signature is compared).
     ``check`` and whether a backward runs must be the same on every rank of the group: a rank with
     ``check=False`` beside ranks that check, or a rank that skips the backward its peers run, leaves
     the others waiting in a collective until the process group's timeout.
@@ -126,12 +129,12 @@ def ulysses_attention(
 
 
 def release() -> None:
-    """Drop what the package holds between calls in this process: the functional API's prepared
-    calls (and the process groups they reference), Transformer Engine modules cached for it, the
-    exchange's CPU buffers (this thread's) and the host copies of document boundaries.  Call it
-    before ``dist.destroy_process_group()`` so no group outlives its process group (a cached group
-    kept alive past that point can abort the process at exit).  ``UlyssesAttention`` modules hold
-    their own prepared calls: they go with the model."""
+    """Drop what the package holds between calls in this process, to free its memory: the
+    functional API's prepared calls (and the process groups they reference), Transformer Engine
+    modules cached for it, the exchange's CPU buffers (this thread's) and the host copies of
+    document boundaries.  ``UlyssesAttention`` modules hold their own prepared calls: they go with
+    the model.  Not needed for a clean exit: at exit the package lets go of every group it holds
+    by itself (:func:`_let_go_at_exit`)."""
     from .backends import _TE_CACHE
     from .exchange import POOL
     from .orders import host_bounds, host_lengths
@@ -141,6 +144,23 @@ def release() -> None:
     POOL.clear()
     host_bounds.clear()
     host_lengths.clear()
+
+
+@atexit.register
+def _let_go_at_exit() -> None:
+    """At interpreter exit, while Python is still whole: every prepared call of every cache (the
+    modules' too) and the registry let go of the process groups they hold.  A group object kept
+    alive into interpreter finalization is destroyed there, after the runtime it needs is gone, and
+    gloo's destructor then ends the process with ``terminate called without an active exception``
+    (SIGABRT): 2 of 12 two-rank worlds without this hook, 0 of 100 with it (tests/test_attention.py,
+    docs/design.md)."""
+    from . import state
+    from .call import LIVE_CACHES
+
+    release()
+    for cache in list(LIVE_CACHES):
+        cache.clear()
+    state.clear()
 
 
 def new_sequence_groups(ulysses: int, cp: int = 1):

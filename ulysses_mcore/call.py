@@ -16,6 +16,7 @@ cannot be reused by another while it is cached.
 
 from __future__ import annotations
 
+import weakref
 from functools import partial
 from typing import NamedTuple, Optional
 
@@ -26,7 +27,8 @@ from .backends import plain_sdpa_kernel, resolve, te_attention
 from .exchange import HeadPlan, OutRoute, exchange_out, exchange_qkv, kv_index, pack_lse, qkv_route, seq_dim, unpack_lse
 from .options import AttentionOptions
 from .orders import token_orders
-from .validation import check_call, has_values, is_fake_group
+from .agreement import agree_call, digest
+from .validation import check_call, has_values
 
 
 class CallTensors(NamedTuple):
@@ -90,17 +92,23 @@ def call_key(q, k, v, opts: AttentionOptions, group, ring_group, tensors: CallTe
     return key
 
 
+LIVE_CACHES: weakref.WeakSet[CallCache] = weakref.WeakSet()  # every cache, emptied at exit (attention.py)
+
+
 class CallCache:
     """Prepared calls by :func:`call_key`, bounded: at most ``max_entries`` of them and ``max_bytes``
     of the tensors they hold (routes, index permutations); the oldest go first.
 
-    ``check="every_call"``: besides the first call's validation, every call of a cached signature
-    agrees with its group on the signature first (one all-reduce of two integers): when the ranks'
-    calls differ -- shapes that change from call to call, one rank's but not its peer's -- every rank
-    validates this call again and raises the same ``ValueError`` instead of entering an all-to-all
-    of mismatched sizes (which gloo answers by aborting the process)."""
+    ``check="every_call"``: every call, cached here or not, first agrees with its group on its
+    signature, its document boundaries and whether any rank meets the signature for the first time
+    (:func:`~ulysses_mcore.agreement.agree_call`: one all-reduce of five integers): when the ranks'
+    calls differ -- shapes or boundaries that change from call to call, one rank's but not its
+    peer's, a signature cached on one rank and new on another -- every rank validates this call and
+    raises the same ``ValueError`` instead of entering an all-to-all of mismatched sizes (which gloo
+    answers by aborting the process) or a collective its peers never enter."""
 
     def __init__(self, max_entries: int = 256, max_bytes: int = 256 << 20):
+        LIVE_CACHES.add(self)
         self.entries: dict = {}
         self.sizes: dict = {}
         self.max_entries, self.max_bytes = max_entries, max_bytes
@@ -126,11 +134,26 @@ class CallCache:
         the caller's own kernel object (a module's Transformer Engine child), fixed per cache."""
         key = call_key(q, k, v, opts, group, ring_group, tensors, head0, extra)
         call = self.entries.get(key) if key is not None else None
+        validate = check
+        if check == "every_call" and group is not None and dist.get_world_size(group) > 1:
+            validate = self._every_call(key, call, q, k, v, opts, group, ring_group, tensors, extra)
         if call is None:
-            call = self.prepare(key, q, k, v, opts, group, ring_group, tensors, head0, check, extra, kernel)
-        elif check == "every_call" and call.exchange and not agree(call.digest, group, q.device):
-            self._disagreement(q, k, v, opts, group, ring_group, tensors, extra)
+            call = self.prepare(key, q, k, v, opts, group, ring_group, tensors, head0, validate, extra, kernel)
+        elif validate is True and check == "every_call":  # a peer's first call of this signature: check together
+            _validate(q, k, v, opts, tensors, extra, group, ring_group)
         return call(q, k, v, tensors)
+
+    def _every_call(self, key, call, q, k, v, opts, group, ring_group, tensors, extra) -> bool:
+        """``check="every_call"``, before anything else of the call and whether its signature is
+        cached here or not: one all-reduce agrees on the signature, the document boundaries and
+        whether any rank sees the signature for the first time.  Ranks that differ all run the full
+        check and raise the same ``ValueError``; otherwise returns whether to validate (together)."""
+        sig = call.digest if call is not None else digest(key)
+        bounds = (tensors.cu_seqlens, tensors.seqlens) if tensors is not NO_TENSORS else (None, None)
+        same, anyone_new = agree_call(sig, bounds, call is None, group, q.device)
+        if not same:
+            self._disagreement(q, k, v, opts, group, ring_group, tensors, extra)
+        return anyone_new
 
     def prepare(self, key, q, k, v, opts, group, ring_group, tensors, head0, check, extra, kernel=None):
         degree = 1 if group is None else dist.get_world_size(group)
@@ -169,8 +192,8 @@ class CallCache:
         check names the difference, the same on every rank."""
         _validate(q, k, v, opts, tensors, extra, group, ring_group)
         raise ValueError(
-            "ulysses_attention: the ranks of the group called with different signatures (shapes, dtypes or "
-            "options) after their first calls were checked; call with the same shapes on every rank"
+            "ulysses_attention: the ranks of the group called with different signatures (shapes, dtypes, "
+            "options or document boundaries); call with the same shapes and cu_seqlens on every rank"
         )
 
 
@@ -179,45 +202,6 @@ def _validate(q, k, v, opts, tensors, extra, group, ring_group):
     ring = 1 if ring_group is None else dist.get_world_size(ring_group)
     checked = {name: t for name, t in tensors._asdict().items() if name != "max_seqlen"}
     check_call(q, k, v, opts, checked, dict(extra or ()), group, ring_group, degree, ring)
-
-
-def _stable(x):
-    """``x`` with what differs between processes for the same call made uniform (group objects by
-    size, devices by type, callables by name): the basis of :func:`digest`."""
-    if isinstance(x, (tuple, list)):
-        return tuple(_stable(y) for y in x)
-    if isinstance(x, torch.Size):
-        return tuple(x)
-    if isinstance(x, (torch.dtype, str, int, float, bool)) or x is None:
-        return str(x)
-    if isinstance(x, torch.device):
-        return x.type
-    if isinstance(x, dist.ProcessGroup):
-        return ("group", x.size())
-    if isinstance(x, AttentionOptions):
-        return tuple(
-            (f, _stable(getattr(x, f) if not callable(getattr(x, f)) else "callable")) for f in x.__dataclass_fields__
-        )
-    return type(x).__name__
-
-
-def digest(key) -> int:
-    """A call signature as a 62-bit integer, the same in every process for the same call."""
-    import hashlib
-
-    return int.from_bytes(hashlib.blake2b(repr(_stable(key)).encode(), digest_size=8).digest(), "little") >> 2
-
-
-def agree(value: int, group, device) -> bool:
-    """Whether every rank of ``group`` holds ``value`` (one all-reduce of two int64: max of v and -v).
-    A fake world's ranks are all this rank: they agree."""
-    if is_fake_group(group):
-        return True
-    dev = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    t = torch.tensor([value, -value], dtype=torch.int64, device=dev)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    high, neg_low = t.tolist()
-    return high == -neg_low
 
 
 def held_bytes(obj, depth: int = 6) -> int:

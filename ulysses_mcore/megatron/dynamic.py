@@ -147,7 +147,7 @@ class DynamicBatches:
         documents (else their cells' shapes differ and an all-to-all would abort the process)."""
         from megatron.core import parallel_state as ps
 
-        from ..call import agree, digest
+        from ..agreement import agree, digest
 
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         if not agree(digest(tuple(lengths)), ps.get_data_parallel_group(), device):
