@@ -36,3 +36,25 @@ def test_sampler_splits_a_global_batch_over_dp_ranks():
     assert seen == [4, 5, 6, 7]  # global batch 2 = samples 4..7, each rank its half
     with pytest.raises(ValueError, match="--global-batch-size 3"):
         GlobalBatchSampler(ds, global_batch_size=3, micro_batch_size=1, dp_size=2, dp_rank=0)
+
+
+def test_a_split_left_without_documents_is_refused_before_megatron_loops(tmp_path):
+    """Four documents (one of 20,184 tokens, three short), the trainer's default --split 98,2,0: the
+    validation split gets none (Megatron's builder would loop in _get_num_epochs); refused at once,
+    naming the split, the counts and the fix.  --split 100,0,0 and 3,1,0 build."""
+    import time
+
+    from ulysses_mcore.megatron.data import build_gpt_datasets, split_documents, split_problem
+
+    prefix = str(tmp_path / "four")
+    write_indexed_dataset(["word " * 4036 + "word", "a", "b", "c"], prefix, ByteTokenizer(), progress=False)
+    assert split_documents(4, "98,2,0") == [4, 0, None] and split_documents(400, "98,2,0") == [392, 8, None]
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError) as e:
+        build_gpt_datasets(prefix, seq_length=1024, seed=1, split="98,2,0", samples=[240, 16, 0])
+    assert time.perf_counter() - t0 < 10
+    msg = str(e.value)
+    assert "--split 98,2,0" in msg and "validation" in msg and "4 documents" in msg and "--split 100,0,0" in msg
+    assert split_problem(prefix, "100,0,0") == "" and split_problem(prefix, "3,1,0") == ""
+    train, valid, _ = build_gpt_datasets(prefix, seq_length=1024, seed=1, split="3,1,0", samples=[8, 2, 0])
+    assert len(train) >= 8 and len(valid) >= 2

@@ -121,6 +121,42 @@ def check_indexed_dataset(prefix: str) -> int:
     return int(np.sum(lengths))
 
 
+SPLITS = ("train", "validation", "test")
+
+
+def split_documents(n_docs: int, split: str):
+    """Documents in each split of ``n_docs`` under ``--split`` as Megatron's dataset builder cuts them
+    (its own normalisation and split matrix; each bound rounded to a whole document); ``None`` for a
+    split of weight 0 (not built)."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
+
+    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+    return [None if b is None else int(round(b[1] * n_docs)) - int(round(b[0] * n_docs)) for b in matrix]
+
+
+def split_problem(prefix: str, split: str) -> str:
+    """Why ``--split`` cannot cut this dataset ("" if it can): a split of non-zero weight that gets no
+    document -- Megatron's builder builds it anyway and loops forever looking for its first epoch."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    n_docs = len(IndexedDataset(prefix, mmap=False).document_indices) - 1
+    counts = split_documents(n_docs, split)
+    empty = [name for name, docs in zip(SPLITS, counts) if docs == 0]
+    if not empty:
+        return ""
+    fitting = ",".join("0" if c is None else "1" for c in counts[1:])
+    return (
+        f"--split {split} leaves the {' and '.join(empty)} split(s) with none of the {n_docs} documents in "
+        f"--data-path {prefix} (documents per split: {[c or 0 for c in counts]}; Megatron's builder would wait "
+        f"forever for them): give every split a share of at least one document (e.g. --split "
+        f"{max(1, n_docs - fitting.count('1'))},{fitting}), give the empty ones weight 0 (e.g. --split 100,0,0), "
+        "or add documents"
+    )
+
+
 @contextlib.contextmanager
 def as_one_process():
     """Inside, ``torch.distributed`` reports itself uninitialised, so Megatron's dataset builder
@@ -143,6 +179,9 @@ def build_gpt_datasets(
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
     check_indexed_dataset(prefix)
+    problem = split_problem(prefix, split)
+    if problem:
+        raise ValueError(problem)
     cfg = GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
