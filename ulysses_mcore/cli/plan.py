@@ -8,6 +8,7 @@ import json
 
 from ..planning.memory_model import __doc__ as MODEL_DOC
 from ..planning.memory_model import estimate, longest_sequence
+from ..flags import explain
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,7 +41,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dp", type=int, default=1, help="data-parallel size (for the distributed optimizer)")
     p.add_argument("--budget-gb", type=float)
     p.add_argument("--json", action="store_true")
+    explain(p, PLAN_HELP)
     return p
+
+
+PLAN_HELP = {
+    "--num-layers": "transformer layers",
+    "--hidden-size": "hidden size",
+    "--num-attention-heads": "query heads",
+    "--num-query-groups": "key/value heads (grouped-query attention; default: the query heads)",
+    "--ffn-hidden-size": "MLP hidden size (default: 4 x hidden)",
+    "--vocab-size": "vocabulary (default: %(default)s)",
+    "--seq-length": "tokens per sample (default: %(default)s)",
+    "--micro-batch-size": "samples per micro-batch (default: %(default)s)",
+    "--tp": "tensor-parallel ranks (default: %(default)s)",
+    "--ulysses": "Ulysses degree (default: %(default)s)",
+    "--cp": "ring context-parallel ranks (default: %(default)s)",
+    "--pp": "pipeline stages (default: %(default)s)",
+    "--bf16": "bf16 weights and activations (fp32 gradients, master weights, Adam state)",
+    "--swiglu": "SwiGLU MLP (fc1 twice as wide)",
+    "--recompute": "full activation recompute (only each layer's input kept)",
+    "--loss-chunk-tokens": "the chunked loss's tokens per chunk (only one chunk's logits live)",
+    "--mlp-chunk-tokens": "the sequence-tiled MLP's tokens per tile",
+    "--use-distributed-optimizer": "Adam state sharded over dp x ulysses x cp",
+    "--budget-gb": "also print, per degree, the longest sequence whose step peak fits this many GB",
+    "--json": "print the estimate as JSON",
+}
 
 
 def _model_keywords(a) -> dict:

@@ -17,12 +17,18 @@ def read(path):
     return train, valid
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("csv", nargs="+")
-    p.add_argument("--out", default="training.png")
-    p.add_argument("--label", action="append")
-    a = p.parse_args(argv)
+    p.add_argument("csv", nargs="+", help="metrics.csv files of runs (their lines are drawn side by side)")
+    p.add_argument("--out", default="training.png", help="the PNG to write (default: %(default)s)")
+    p.add_argument(
+        "--label", action="append", help="a run's name in the legend, once per csv in order (default: its folder)"
+    )
+    return p
+
+
+def main(argv=None):
+    a = build_parser().parse_args(argv)
     try:
         import matplotlib
     except ImportError:

@@ -12,13 +12,23 @@ import os
 import sys
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--input", required=True)
-    p.add_argument("--output-prefix", required=True)
-    p.add_argument("--json-keys", default="text")
-    p.add_argument("--tokenizer-type", default="ByteTokenizer", choices=["ByteTokenizer"])
-    a = p.parse_args(argv)
+    p.add_argument("--input", required=True, help="a .jsonl / .json file (one object a line) or plain text")
+    p.add_argument(
+        "--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx (pass PREFIX as --data-path)"
+    )
+    p.add_argument(
+        "--json-keys", default="text", help="the JSON field holding a document's text (default: %(default)s)"
+    )
+    p.add_argument(
+        "--tokenizer-type", default="ByteTokenizer", choices=["ByteTokenizer"], help="byte-level tokens (the only one)"
+    )
+    return p
+
+
+def main(argv=None):
+    a = build_parser().parse_args(argv)
     from ulysses_mcore.megatron.data import read_documents, write_indexed_dataset
 
     if not os.path.exists(a.input):

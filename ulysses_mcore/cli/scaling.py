@@ -34,6 +34,8 @@ import statistics
 import subprocess
 import sys
 import time
+
+from ..flags import explain
 from typing import List
 
 from ..planning.step_time import (
@@ -503,7 +505,7 @@ def cmd_report(a) -> int:
     return 0
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -532,7 +534,29 @@ def main(argv=None) -> int:
     t = sub.add_parser("report", help="best layouts for 8B / 70B at 128K-1M on 8-1024 GPUs; published comparisons")
     t.add_argument("--preset", default="h200", choices=sorted(PRESETS))
     t.add_argument("--report", default="docs/perf/scaling_predictions.md")
-    a = p.parse_args(argv)
+    for sp in (s, f, r, t):
+        explain(sp, SCALING_HELP)
+    return p
+
+
+SCALING_HELP = {
+    "--world": "ranks of the world to sweep (torchrun on this machine)",
+    "--out": "the sweep's folder (sweep.json; fit reads it and writes fit.json there)",
+    "--model": "the model's shape by name (default: %(default)s)",
+    "--seq-length": "tokens per sample (default: %(default)s)",
+    "--micro-batch-size": "samples per micro-batch (default: %(default)s)",
+    "--global-batch-size": "samples per step (default: %(default)s)",
+    "--iters": "iterations per layout (default: %(default)s)",
+    "--budget-gb": "leave out layouts whose planned peak exceeds this many GB per rank",
+    "--preset": "the GPU cluster's datasheet rates (default: %(default)s)",
+    "--gpus": "cluster sizes to rank layouts for, comma-separated (default: %(default)s)",
+    "--top": "layouts to print per cluster size (default: %(default)s)",
+    "--report": "the Markdown file to write (default: %(default)s)",
+}
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
     return {"sweep": cmd_sweep, "fit": cmd_fit, "predict": cmd_predict, "report": cmd_report}[a.cmd](a)
 
 

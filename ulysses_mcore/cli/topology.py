@@ -92,22 +92,36 @@ def plan(args) -> dict:
     return out
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--world-size", type=int, required=True)
-    p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=int, default=1)
-    p.add_argument("--ulysses", "--ulysses-degree", dest="ulysses", type=int, default=1)
-    p.add_argument("--cp", "--context-parallel-size", dest="cp", type=int, default=1)
-    p.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=int, default=1)
-    p.add_argument("--ep", "--expert-model-parallel-size", dest="ep", type=int, default=1)
-    p.add_argument("--order", default="tp-ulysses-cp-ep-dp-pp")
-    p.add_argument("--num-attention-heads", type=int)
-    p.add_argument("--num-query-groups", type=int)
-    p.add_argument("--seq-length", type=int)
+    p.add_argument("--world-size", type=int, required=True, help="ranks in all")
+    p.add_argument(
+        "--gpus-per-node", type=int, default=8, help="ranks per node: what crosses a node (default: %(default)s)"
+    )
+    p.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=int, default=1, help="tensor-parallel ranks")
+    p.add_argument("--ulysses", "--ulysses-degree", dest="ulysses", type=int, default=1, help="Ulysses degree")
+    p.add_argument(
+        "--cp", "--context-parallel-size", dest="cp", type=int, default=1, help="ring context-parallel ranks"
+    )
+    p.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=int, default=1, help="pipeline stages")
+    p.add_argument("--ep", "--expert-model-parallel-size", dest="ep", type=int, default=1, help="expert-parallel ranks")
+    p.add_argument(
+        "--order",
+        default="tp-ulysses-cp-ep-dp-pp",
+        help="axes from fastest-varying rank to slowest (default: %(default)s)",
+    )
+    p.add_argument(
+        "--num-attention-heads", type=int, help="query heads: check they fit the degrees, print heads per rank"
+    )
+    p.add_argument("--num-query-groups", type=int, help="key/value heads (grouped-query attention)")
+    p.add_argument("--seq-length", type=int, help="tokens per sample: check it splits, print tokens per rank")
     p.add_argument("--rank", type=int, default=0, help="whose groups to print")
-    p.add_argument("--json", action="store_true")
-    args = p.parse_args(argv)
+    p.add_argument("--json", action="store_true", help="print everything as JSON")
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     try:
         out = plan(args)
     except TopologyError as e:

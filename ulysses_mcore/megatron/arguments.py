@@ -14,6 +14,8 @@ import os
 
 import torch
 
+from ..flags import explain
+
 
 def build_parser(description: str = "") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -200,6 +202,7 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
         default=None,
         help="save (with --save) and exit 0 after the first iteration that ends this many minutes after start",
     )
+    explain(p, FLAG_HELP)
     return p
 
 
@@ -251,6 +254,59 @@ _FLOAT_RANGE = {
 _FLOAT_NOTES = {
     "clip_grad": " (0: no clipping)",
     "distributed_timeout_minutes": " (how long a collective waits for a peer)",
+}
+
+
+FLAG_HELP = {  # the help line of each flag that does not carry its own (Megatron-LM's meanings)
+    "--tensor-model-parallel-size": "tensor-parallel ranks: the weights of each layer split over them "
+    "(default: %(default)s)",
+    "--pipeline-model-parallel-size": "pipeline stages: the layers split into this many stages (default: %(default)s)",
+    "--ulysses-degree": "Ulysses sequence-parallel ranks: tokens sharded over them, heads inside attention "
+    "(the all-to-all; must divide the heads per tensor-parallel rank; default: %(default)s)",
+    "--context-parallel-size": "ring context-parallel ranks outside the Ulysses groups (the log-sum-exp ring; "
+    "default: %(default)s)",
+    "--sequence-parallel": "Megatron's sequence parallelism inside tensor parallelism (norms and dropout on "
+    "sequence shards; needs Transformer Engine or apex norms: GPU)",
+    "--use-distributed-optimizer": "shard the optimizer state over the data-parallel x Ulysses x ring ranks "
+    "(Megatron's distributed optimizer)",
+    "--num-layers": "transformer layers (default: %(default)s)",
+    "--hidden-size": "hidden size (default: %(default)s)",
+    "--ffn-hidden-size": "MLP hidden size (default: 4 x hidden, or int(8 x hidden / 3 / 64) x 64 with --swiglu)",
+    "--num-attention-heads": "query heads (default: %(default)s)",
+    "--seq-length": "tokens per sample (default: %(default)s)",
+    "--max-position-embeddings": "longest position the model embeds (default: --seq-length)",
+    "--position-embedding-type": "rope (rotary, applied per shard at global positions) or learned_absolute "
+    "(default: %(default)s)",
+    "--normalization": "LayerNorm or RMSNorm (default: %(default)s)",
+    "--init-method-std": "standard deviation of the initial weights (default: %(default)s)",
+    "--attention-backend": "the kernel inside Ulysses attention: auto (te with --transformer-impl "
+    "transformer_engine, else sdpa), sdpa, flash (flash-attn), te (default: %(default)s)",
+    "--recompute-granularity": "activation recompute: full (each layer's input kept, the layer recomputed in "
+    "the backward) or selective (Megatron's core-attention recompute)",
+    "--bf16": "bf16 weights and activations (fp32 gradients buffer, master weights and Adam state)",
+    "--make-vocab-size-divisible-by": "pad the vocabulary to a multiple of this (default: %(default)s)",
+    "--micro-batch-size": "samples per micro-batch on each data-parallel rank (default: %(default)s)",
+    "--global-batch-size": "samples per optimizer step over all data-parallel ranks (default: %(default)s)",
+    "--train-iters": "optimizer steps to run (default: %(default)s)",
+    "--lr": "peak learning rate (default: %(default)s)",
+    "--min-lr": "learning rate at the end of the decay (default: %(default)s)",
+    "--lr-warmup-iters": "steps of linear warm-up from 0 (default: %(default)s)",
+    "--clip-grad": "gradient-norm clipping threshold (default: %(default)s)",
+    "--lr-decay-style": "learning-rate decay after the warm-up (default: %(default)s)",
+    "--weight-decay": "AdamW weight decay (default: %(default)s)",
+    "--adam-beta1": "Adam beta1 (default: %(default)s)",
+    "--adam-beta2": "Adam beta2 (default: %(default)s)",
+    "--adam-eps": "Adam epsilon (default: %(default)s)",
+    "--seed": "random seed: the same initial model for every layout (default: %(default)s)",
+    "--split": "train,validation,test weights of the documents (default: %(default)s; every split of "
+    "non-zero weight needs at least one document)",
+    "--tokenizer-type": "the byte-level tokenizer (the only one: no download)",
+    "--save": "folder to save checkpoints to (Megatron's dist_checkpointing; any layout can resume them)",
+    "--load": "folder to resume from (its latest checkpoint; another tp / ulysses / cp / pp is fine)",
+    "--save-interval": "save every this many steps (default: only at the end, when --save is given)",
+    "--eval-interval": "evaluate on the validation split every this many steps (default: only at the end)",
+    "--eval-iters": "validation micro-batch rounds per evaluation (default: %(default)s)",
+    "--log-interval": "print an iteration line every this many steps (default: %(default)s)",
 }
 
 

@@ -1,6 +1,6 @@
-"""The trainer: pretrain a GPT with Megatron-Core and Ulysses sequence parallelism.
+r"""The trainer: pretrain a GPT with Megatron-Core and Ulysses sequence parallelism.
 
-    torchrun --nproc-per-node 4 examples/pretrain_gpt.py \
+    torchrun --nproc-per-node 4 --no-python ulysses-mcore pretrain \
         --tensor-model-parallel-size 2 --ulysses-degree 2 --num-layers 2 --hidden-size 64 \
         --num-attention-heads 4 --seq-length 256 --micro-batch-size 2 --global-batch-size 8 \
         --train-iters 30 --lr 3e-3
