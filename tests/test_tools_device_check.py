@@ -12,10 +12,12 @@ import tarfile
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORLD_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")  # set by in-process worlds
 
 
 def _check(out, **env):
-    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1", **env)
+    inherited = {k: v for k, v in os.environ.items() if k not in WORLD_VARIABLES}  # a world of this process's
+    env = dict(inherited, PYTHON=sys.executable, OMP_NUM_THREADS="1", **env)
     cmd = ["bash", "tools/device_check.sh", str(out)]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
 
