@@ -60,7 +60,7 @@ CATALOGUE = [  # (pattern the command matches, "run" with its runner, or the rea
     (r"^torchrun --nproc-per-node N ", "a pattern (N ranks, flags elided), not a command"),
     (r"^torchrun --nnodes N ", "a multi-node pattern (N nodes, HOST:PORT): needs a cluster"),
     (r"^ulysses-mcore --help$", "run"),
-    (r"^ulysses-mcore pretrain --timing$", "run"),  # 2 iterations
+    (r"^ulysses-mcore pretrain --timing$", "run"),  # 4 iterations
     (r"^# torchrun --nproc-per-node 4 example\.py", "the API example: tests/test_readme.py runs it on 4 and 8 ranks"),
     (r"^topo = ulysses_mcore\.initialize", "a fragment of a 16-rank world (tests/test_groups.py builds these groups)"),
     (r"^pip install torch==2\.13\.0$", "installs packages"),
@@ -69,7 +69,7 @@ CATALOGUE = [  # (pattern the command matches, "run" with its runner, or the rea
     (r"^ulysses-mcore report --preset h200$", "run"),  # with --report into a temporary folder
     (r"^ulysses-mcore fit --out docs/perf/sweep_w4$", "run"),  # on a copy of the committed sweep
     (r"^ulysses-mcore preprocess --input corpus\.jsonl", "run"),  # on a small corpus.jsonl in a temporary folder
-    (r"^\.venv/bin/torchrun --nproc-per-node 4 --no-python \.venv/bin/ulysses-mcore pretrain", "run"),  # 2 iterations
+    (r"^\.venv/bin/torchrun --nproc-per-node 4 --no-python \.venv/bin/ulysses-mcore pretrain", "run"),  # 4 iterations
     (r"^python tools/profile_call\.py --world 2 --calls 300$", "run"),  # 20 calls
 ]
 
@@ -106,7 +106,7 @@ def _argv(cmd: str, tmp) -> list:
     if "preprocess" in words:
         (tmp / "corpus.jsonl").write_text('{"text": "In the beginning"}\n{"text": "And the earth"}\n')
     if "pretrain" in words:
-        words += ["--train-iters", "2", "--log-dir", str(tmp / "run")]
+        words += ["--train-iters", "4", "--log-dir", str(tmp / "run")]  # 4: past the 3 warm-up steps
     if "profile_call.py" in cmd:
         words[words.index("--calls") + 1] = "20"
     return words

@@ -316,7 +316,7 @@ def _topological(root) -> list:
 
 # ----------------------------------------------------------------------------- findings
 HOST_READ = "DataDependentOutputException"
-_NOT_THE_SOURCE = ("fakeworld.py", "fake_cuda.py")  # the stand-ins' own frames; torch's are skipped by path
+_NOT_THE_SOURCE = ("/ulysses_mcore/fakeworld.py", "/ulysses_mcore/megatron/fake_cuda.py")  # the stand-ins' frames
 DEVICE_MISMATCH = "FakeTensorDeviceMismatchError"
 
 

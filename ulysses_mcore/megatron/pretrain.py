@@ -246,7 +246,9 @@ class _Data:
         if self.dynamic is not None:  # the global batch placed document by document (docs/dynamic.md)
             return self.dynamic.microbatches(mbs)
         if args.reset_attention_mask:  # one packed THD stream per micro-batch, documents split at EOD
-            return [shard_batch(pack_batch(mb, self.tok.eod, reset_positions=args.reset_position_ids)) for mb in mbs]
+            packed = [pack_batch(mb, self.tok.eod, reset_positions=args.reset_position_ids) for mb in mbs]
+            _agree_on_boundaries(packed)
+            return [shard_batch(mb) for mb in packed]
         if args.reset_position_ids:
             mbs = [reset_position_ids(mb, self.tok.eod) for mb in mbs]
         return [shard_batch(mb, load_balanced=True) for mb in mbs]
@@ -264,6 +266,28 @@ class _Data:
                 f"{n_docs} documents in rank 0's first {len(first)} micro-batches",
                 flush=True,
             )
+
+
+def _agree_on_boundaries(packed) -> None:
+    """Once a step, the ranks that share a sequence (Megatron's context-parallel group: Ulysses x ring)
+    agree on the document boundaries of its packed micro-batches (host tensors here: one all-reduce,
+    no device read), so ranks that read different data stop with the same error instead of running
+    attention over boundaries that differ (which no later call checks)."""
+    from megatron.core import parallel_state as ps
+
+    from ..agreement import agree, digest
+
+    group = ps.get_context_parallel_group()
+    if dist.get_world_size(group) == 1:
+        return
+    bounds = tuple(tuple(mb["cu_seqlens"].tolist()) for mb in packed)  # host tensors: no sync
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    if not agree(digest(bounds), group, device):
+        raise ValueError(
+            "--reset-attention-mask: the ranks sharing a sequence (Ulysses x ring) read different documents "
+            "(their packed boundaries differ); every rank must read the same data (the same --data-path, "
+            "--split and --seed)"
+        )
 
 
 def _dynamic_batches(args, tok, groups):
