@@ -204,14 +204,10 @@ def _forward(model, batch, docs):
 
     tracker = MemTracker()
     tracker.track_external(model)
+    from .training import model_forward
+
     with fw.SdpaAsOnGpu(), fw.KernelLog() as log, fw.flop_counter(docs) as flops, tracker:
-        loss = model(
-            batch["tokens"],
-            batch["position_ids"],
-            batch.get("attention_mask"),
-            labels=batch["labels"],
-            packed_seq_params=batch.get("packed_seq_params"),
-        )
+        loss = model_forward(model, batch)
     return loss, log, flops, tracker
 
 

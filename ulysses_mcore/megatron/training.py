@@ -198,16 +198,21 @@ def build_optimizer(
     return get_megatron_optimizer(cfg, [model])
 
 
-def _forward_step(data_iterator, model):
-    batch = to_device(next(data_iterator), _model_device(model))
-    out = model(
+def model_forward(model, batch: Dict):
+    """The GPTModel's forward on one micro-batch (its tokens, positions, mask, labels and packed
+    sequence parameters): the per-token losses on the last stage, hidden states before it."""
+    return model(
         batch["tokens"],
         batch["position_ids"],
         batch.get("attention_mask"),
         labels=batch["labels"],
         packed_seq_params=batch.get("packed_seq_params"),
     )
-    return out, partial(masked_token_loss, batch["loss_mask"])
+
+
+def _forward_step(data_iterator, model):
+    batch = to_device(next(data_iterator), _model_device(model))
+    return model_forward(model, batch), partial(masked_token_loss, batch["loss_mask"])
 
 
 def forward_backward(
