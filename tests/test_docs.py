@@ -51,6 +51,8 @@ CATALOGUE = [  # (pattern the command matches, "run" with its runner, or the rea
         r"^PYTHONPATH=\.\./megatron-lm ",
         "needs Megatron-LM's checkout: tests/test_megatron_lm.py runs it with $MEGATRON_LM",
     ),
+    (r"^DEVICE_CHECK_CPU=1 bash tools/device_check\.sh DIR", "the suite runs it (tests/test_tools_device_check.py)"),
+    (r"^python tools/gpu_model_check\.py --device cpu --quick", "the suite runs it (test_tools_gpu_model_check.py)"),
     (r"^bash tools/device_check\.sh", GPU),
     (r"^bash tools/device_prepare\.sh", "needs the network (downloads wheels for a GPU lease)"),
     (r"^python tools/bench_", LONG),
