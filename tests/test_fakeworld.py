@@ -24,63 +24,31 @@ def _cu(*bounds):
     return torch.tensor(bounds, device="cuda", dtype=torch.int32)
 
 
-# route -> (keywords of ulysses_attention, kernel expected forward, kernel expected backward)
+def _qkv(hq=32, hk=8, d=D, dv=None, shape=(N, 1), **kw):
+    """ulysses_attention's tensors (``shape`` then heads, head dim; value head dim ``dv``) and keywords."""
+    return dict(q=_t(*shape, hq, d), k=_t(*shape, hk, d), v=_t(*shape, hk, dv or d), **kw)
+
+
+# route -> (keywords of ulysses_attention given the hybrid's groups, kernel expected forward, backward)
 ROUTES = {
-    "mha": (lambda g: dict(q=_t(N, 1, 32, D), k=_t(N, 1, 32, D), v=_t(N, 1, 32, D)), "sdpa-flash", "sdpa-flash"),
-    "gqa 32/8": (lambda g: dict(q=_t(N, 1, 32, D), k=_t(N, 1, 8, D), v=_t(N, 1, 8, D)), "sdpa-flash", "sdpa-flash"),
-    "uneven 28/7": (
-        lambda g: dict(q=_t(N, 1, 28, D), k=_t(N, 1, 7, D), v=_t(N, 1, 7, D)),
-        "sdpa-flash",
-        "sdpa-flash",
-    ),
-    "bshd": (
-        lambda g: dict(q=_t(1, N, 32, D), k=_t(1, N, 8, D), v=_t(1, N, 8, D), layout="bshd"),
-        "sdpa-flash",
-        "sdpa-flash",
-    ),
+    "mha": (lambda g: _qkv(hk=32), "sdpa-flash", "sdpa-flash"),
+    "gqa 32/8": (lambda g: _qkv(), "sdpa-flash", "sdpa-flash"),
+    "uneven 28/7": (lambda g: _qkv(28, 7), "sdpa-flash", "sdpa-flash"),
+    "bshd": (lambda g: _qkv(shape=(1, N), layout="bshd"), "sdpa-flash", "sdpa-flash"),
     "packed thd": (
-        lambda g: dict(
-            q=_t(N, 32, D),
-            k=_t(N, 8, D),
-            v=_t(N, 8, D),
-            layout="thd",
-            cu_seqlens=_cu(0, 3000, 6000, SEQ),
-            max_seqlen=3000,
-        ),
+        lambda g: _qkv(shape=(N,), layout="thd", cu_seqlens=_cu(0, 3000, 6000, SEQ), max_seqlen=3000),
         "torch-varlen",
         "torch-varlen",
     ),
-    "window": (
-        lambda g: dict(q=_t(N, 1, 32, D), k=_t(N, 1, 8, D), v=_t(N, 1, 8, D), window_size=(1024, 0)),
-        "flash-varlen",
-        "flash-varlen",
-    ),
+    "window": (lambda g: _qkv(window_size=(1024, 0)), "flash-varlen", "flash-varlen"),
     "window + sinks + lse": (
-        lambda g: dict(
-            q=_t(N, 1, 32, D),
-            k=_t(N, 1, 8, D),
-            v=_t(N, 1, 8, D),
-            window_size=(1024, 0),
-            softmax_offset=_t(32, dtype=torch.float32),
-            return_lse=True,
-        ),
+        lambda g: _qkv(window_size=(1024, 0), softmax_offset=_t(32, dtype=torch.float32), return_lse=True),
         "flash-varlen",
         None,  # the lse's gradient runs the matmul engine's tiles (no fused kernel takes d lse)
     ),
-    "mla (value dim 64)": (
-        lambda g: dict(q=_t(N, 1, 32, 192), k=_t(N, 1, 32, 192), v=_t(N, 1, 32, 64)),
-        "sdpa-efficient",
-        "sdpa-efficient",
-    ),
+    "mla (value dim 64)": (lambda g: _qkv(hk=32, d=192, dv=64), "sdpa-efficient", "sdpa-efficient"),
     "hybrid ulysses 4 x ring 2": (
-        lambda g: dict(
-            q=_t(N, 1, 32, D),
-            k=_t(N, 1, 8, D),
-            v=_t(N, 1, 8, D),
-            group=g[0],
-            ring_group=g[1],
-            token_order="load_balanced",
-        ),
+        lambda g: _qkv(group=g[0], ring_group=g[1], token_order="load_balanced"),
         "flash-varlen",
         "flash-varlen",
     ),

@@ -27,6 +27,7 @@ the GPU lease never meets a function that is gone; ``--device cpu --sections los
 """
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -72,13 +73,10 @@ class PlainSdpaAttention(torch.nn.Module):
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, **kw):
         from ulysses_mcore.backends import sdpa_plain
 
-        gqa = query.shape[2] != key.shape[2]
-        if self.cudnn:
-            from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.attention import SDPBackend, sdpa_kernel
 
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                out = sdpa_plain(query, key, value, causal=True, softmax_scale=self.softmax_scale, gqa=gqa)
-        else:
+        gqa = query.shape[2] != key.shape[2]
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION) if self.cudnn else contextlib.nullcontext():
             out = sdpa_plain(query, key, value, causal=True, softmax_scale=self.softmax_scale, gqa=gqa)
         return out.reshape(out.shape[0], out.shape[1], -1)
 

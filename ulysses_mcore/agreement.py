@@ -39,7 +39,7 @@ def digest(key) -> int:
     return int.from_bytes(hashlib.blake2b(repr(_stable(key)).encode(), digest_size=8).digest(), "little") >> 2
 
 
-def agree(value: int, group, device) -> bool:
+def agree(value: int, group, device=None) -> bool:
     """Whether every rank of ``group`` holds ``value`` (one all-reduce of two int64: max of v and -v).
     A fake world's ranks are all this rank: they agree."""
     if is_fake_group(group):
@@ -50,8 +50,12 @@ def agree(value: int, group, device) -> bool:
     return high == -neg_low
 
 
-def _device(group, device):
-    return device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+def _device(group, device=None):
+    """Where a collective of ``group`` runs: the CPU for gloo (and the test backends), ``device`` --
+    by default the current CUDA device -- for NCCL."""
+    if dist.get_backend(group) != "nccl":
+        return torch.device("cpu")
+    return device if device is not None else torch.device("cuda", torch.cuda.current_device())
 
 
 def boundaries_digest(t, device) -> torch.Tensor:

@@ -28,7 +28,16 @@ from typing import Callable, Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 
-from .options import LSE_TILE, VARIANT_OPTIONS, AttentionOptions, has_window, options_set
+from .options import (
+    FLASH_HEAD_DIM_STEP,
+    FLASH_MAX_HEAD_DIM,
+    LSE_TILE,
+    VARIANT_OPTIONS,
+    AttentionOptions,
+    flash_takes_head_dim,
+    has_window,
+    options_set,
+)
 from .orders import document_ids, host_bounds, host_lengths
 from .ring import ring_attention
 
@@ -221,8 +230,8 @@ def torch_varlen_applies(q, v) -> bool:
         _TORCH_VARLEN
         and q.device.type == "cuda"
         and q.dtype in (torch.float16, torch.bfloat16)
-        and q.shape[-1] == v.shape[-1] <= 256
-        and q.shape[-1] % 8 == 0
+        and q.shape[-1] == v.shape[-1]
+        and flash_takes_head_dim(q.shape[-1])
     )
 
 
@@ -304,12 +313,9 @@ def flash_installed() -> Tuple[bool, bool]:
     return _installed("flash_attn"), _installed("flash_attn_interface")
 
 
-FLASH_HEAD_DIM_STEP, FLASH_MAX_HEAD_DIM = 8, 256  # flash-attn's kernels: head dims in multiples of 8, up to 256
-
-
 def flash_head_dim_problem(d: int, dv: int) -> str:
     """Why flash-attn's kernels cannot take these head dims ("" if they can)."""
-    bad = [x for x in dict.fromkeys((d, dv)) if x % FLASH_HEAD_DIM_STEP or x > FLASH_MAX_HEAD_DIM]
+    bad = [x for x in dict.fromkeys((d, dv)) if not flash_takes_head_dim(x)]
     if not bad:
         return ""
     return (

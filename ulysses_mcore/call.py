@@ -137,10 +137,10 @@ class CallCache:
         validate = check
         if check == "every_call" and group is not None and dist.get_world_size(group) > 1:
             validate = self._every_call(key, call, q, k, v, opts, group, ring_group, tensors, extra)
+            if validate and call is not None:  # a peer's first call of this signature: check together
+                _validate(q, k, v, opts, tensors, extra, group, ring_group)
         if call is None:
             call = self.prepare(key, q, k, v, opts, group, ring_group, tensors, head0, validate, extra, kernel)
-        elif validate is True and check == "every_call":  # a peer's first call of this signature: check together
-            _validate(q, k, v, opts, tensors, extra, group, ring_group)
         return call(q, k, v, tensors)
 
     def _every_call(self, key, call, q, k, v, opts, group, ring_group, tensors, extra) -> bool:

@@ -41,6 +41,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .options import flash_takes_head_dim
+
 aten = torch.ops.aten
 
 
@@ -82,7 +84,7 @@ def sdpa_choice(q, k, v, attn_mask, dropout_p: float, enable_gqa: bool) -> str:
     fp32 when the kv heads equal the query heads; math otherwise."""
     d, dv = q.shape[-1], v.shape[-1]
     half = q.dtype in (torch.float16, torch.bfloat16)
-    dims_ok = d == dv and d <= 256 and d % 8 == 0
+    dims_ok = d == dv and flash_takes_head_dim(d)
     if half and attn_mask is None and dims_ok:
         return "flash"
     if not enable_gqa and d % 8 == 0 and dv % 8 == 0 and q.shape[1] == k.shape[1]:
@@ -334,14 +336,6 @@ def finding(exc: BaseException) -> Optional[str]:
     where = f"{frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else "torch internals"
     what = "host read of a CUDA tensor" if kind == HOST_READ else "device mismatch"
     return f"{what} at {where}: {exc}"
-
-
-def gb(nbytes: float) -> float:
-    return nbytes / 1e9
-
-
-def tflop(flops: float) -> float:
-    return flops / 1e12
 
 
 __all__ = [

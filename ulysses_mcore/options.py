@@ -20,6 +20,15 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Tuple, Union
 
 LSE_TILE = 512  # tokens per tile of the log-sum-exp kernel: scores held at once are [b, h, 512, 512]
+FLASH_HEAD_DIM_STEP, FLASH_MAX_HEAD_DIM = 8, 256  # the flash kernels' head dims (torch's and flash-attn's)
+
+
+def flash_takes_head_dim(d: int) -> bool:
+    """Whether the flash kernels (torch's CUDA flash / varlen, flash-attn) take head dim ``d``:
+    a multiple of 8, at most 256."""
+    return d % FLASH_HEAD_DIM_STEP == 0 and d <= FLASH_MAX_HEAD_DIM
+
+
 VARIANT_OPTIONS = ("window_size", "softmax_offset", "return_lse")
 
 

@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from .exchange import all_to_all, seq_dim
-from .options import LSE_TILE, has_window
+from .options import LSE_TILE, flash_takes_head_dim, has_window
 from .orders import document_ids, host_bounds
 
 Segments = List[Tuple[int, int]]  # (first global position, length)
@@ -218,7 +218,7 @@ def fused_kernel(q, same_dims: bool = True) -> Optional[str]:
         return None
     if dev == "cpu":
         return "cpu" if _CPU_FLASH is not None else None
-    return "cuda" if _CUDA_FLASH is not None and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0 else None
+    return "cuda" if _CUDA_FLASH is not None and flash_takes_head_dim(q.shape[-1]) else None
 
 
 def call_is_fused(q, same_dims: bool, mask, bias, docs, window_size) -> bool:

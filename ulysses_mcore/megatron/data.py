@@ -142,7 +142,7 @@ def split_problem(prefix: str, split: str) -> str:
     document -- Megatron's builder builds it anyway and loops forever looking for its first epoch."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    n_docs = len(IndexedDataset(prefix, mmap=False).document_indices) - 1
+    n_docs = len(IndexedDataset(prefix, mmap=True).document_indices) - 1  # mapped: read where needed
     counts = split_documents(n_docs, split)
     empty = [name for name, docs in zip(SPLITS, counts) if docs == 0]
     if not empty:

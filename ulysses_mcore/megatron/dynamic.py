@@ -149,8 +149,7 @@ class DynamicBatches:
 
         from ..agreement import agree, digest
 
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-        if not agree(digest(tuple(lengths)), ps.get_data_parallel_group(), device):
+        if not agree(digest(tuple(lengths)), ps.get_data_parallel_group()):
             raise ValueError(
                 "--dynamic-ulysses: the ranks read different global batches (their documents' lengths differ), "
                 "so their placements differ; every rank must read the same data (the same --data-path, --split "

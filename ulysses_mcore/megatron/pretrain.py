@@ -281,8 +281,7 @@ def _agree_on_boundaries(packed) -> None:
     if dist.get_world_size(group) == 1:
         return
     bounds = tuple(tuple(mb["cu_seqlens"].tolist()) for mb in packed)  # host tensors: no sync
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-    if not agree(digest(bounds), group, device):
+    if not agree(digest(bounds), group):
         raise ValueError(
             "--reset-attention-mask: the ranks sharing a sequence (Ulysses x ring) read different documents "
             "(their packed boundaries differ); every rank must read the same data (the same --data-path, "

@@ -50,7 +50,9 @@ def training_device() -> torch.device:
     before DDP wraps it (:func:`build_gpt`), every batch in the forward step (:func:`to_device`)."""
     import torch.distributed as dist
 
-    if dist.is_initialized() and dist.get_backend() == "fake":  # the dry run: fake CUDA, no GPU
+    from ..validation import is_fake_group
+
+    if dist.is_initialized() and is_fake_group(None):  # the dry run: fake CUDA, no GPU
         return torch.device("cuda", 0)
     if torch.cuda.is_available() and (not dist.is_initialized() or dist.get_backend() == "nccl"):
         return torch.device("cuda", torch.cuda.current_device())
