@@ -138,19 +138,16 @@ def test_no_data_collective_before_the_error():
 
 
 def test_find_problem_is_pure_and_accepts_good_input():
-    opts = dict(
-        layout="sbhd",
-        backend="sdpa",
-        causal=True,
-        softmax_scale=None,
-        dropout_p=0.0,
-        token_order="contiguous",
-        overlap_chunks=1,
-        degree=2,
-    )
-    recs = [validation.describe(**good(r, 2), **opts) for r in range(2)]
+    from ulysses_mcore.options import CallSite, attention_options
+
+    site = CallSite(attention_options(True))
+
+    def record(kw):
+        return validation.call_record((kw["query"], kw["key"], kw["value"]), site, sizes=(2, 1))
+
+    recs = [record(good(r, 2)) for r in range(2)]
     assert validation.verdict(recs, 2) is None
-    recs[1] = validation.describe(**bad_shard_len(1, 2), **opts)
+    recs[1] = record(bad_shard_len(1, 2))
     assert "tokens per rank" in validation.verdict(recs, 2)
 
 

@@ -6,29 +6,35 @@ import torch
 import torch.distributed as dist
 
 from tests.helpers import count_collectives, reference_attention, run_threaded
-from ulysses_mcore.call import NO_TENSORS, CallCache, CallTensors, call_key, lse_columns
-from ulysses_mcore.options import attention_options
+from ulysses_mcore.call import CallCache, call_key, lse_columns
+from ulysses_mcore.options import NO_TENSORS, CallSite, CallTensors, attention_options
 
 OPTS = attention_options(True)
+SITE = CallSite(OPTS)
+
+
+def whole_world(opts=OPTS, **kw):
+    """A call site over the whole world (threads)."""
+    return CallSite(opts, group=dist.group.WORLD, **kw)
 
 
 def test_key_sees_shapes_dtypes_grads_options_groups():
     q = torch.randn(4, 1, 2, 8)
-    base = call_key(q, q, q, OPTS, None, None, NO_TENSORS, 0, None)
-    assert base == call_key(q.clone(), q.clone(), q.clone(), OPTS, None, None, NO_TENSORS, 0, None)
+    base = call_key((q, q, q), SITE)
+    assert base == call_key((q.clone(), q.clone(), q.clone()), SITE, NO_TENSORS)
     others = [
-        call_key(q[:2], q[:2], q[:2], OPTS, None, None, NO_TENSORS, 0, None),
-        call_key(q.double(), q, q, OPTS, None, None, NO_TENSORS, 0, None),
-        call_key(q.clone().requires_grad_(), q, q, OPTS, None, None, NO_TENSORS, 0, None),
-        call_key(q, q, q, attention_options(False), None, None, NO_TENSORS, 0, None),
-        call_key(q, q, q, OPTS, object(), None, NO_TENSORS, 0, None),
-        call_key(q, q, q, OPTS, None, None, NO_TENSORS, 2, None),
-        call_key(
-            q, q, q, OPTS, None, None, CallTensors(attention_mask=torch.zeros(1, 1, 4, 4, dtype=torch.bool)), 0, None
-        ),
+        call_key((q[:2], q[:2], q[:2]), SITE),
+        call_key((q.double(), q, q), SITE),
+        call_key((q.clone().requires_grad_(), q, q), SITE),
+        call_key((q, q, q), CallSite(attention_options(False))),
+        call_key((q, q, q), CallSite(OPTS, group=object())),
+        call_key((q, q, q), CallSite(OPTS, first_head=2)),
+        call_key((q, q, q), CallSite(OPTS, checks=(("expected_heads", (2, 2)),))),
+        call_key((q, q, q), SITE, CallTensors(attention_mask=torch.zeros(1, 1, 4, 4, dtype=torch.bool))),
+        call_key((q, q, q), SITE, CallTensors(qkv_format="thd")),
     ]
     assert all(k != base for k in others) and len(set(others)) == len(others)
-    assert call_key("not a tensor", q, q, OPTS, None, None, NO_TENSORS, 0, None) is None
+    assert call_key(("not a tensor", q, q), SITE) is None
 
 
 def test_a_new_batchs_boundaries_are_not_a_new_signature():
@@ -38,13 +44,15 @@ def test_a_new_batchs_boundaries_are_not_a_new_signature():
     q = torch.randn(8, 2, 4)
 
     def key(cu, **kw):
-        return call_key(q, q, q, OPTS, None, None, CallTensors(cu_seqlens=cu, **kw), 0, None)
+        return call_key((q, q, q), SITE, CallTensors(cu_seqlens=cu, **kw))
 
     a = key(torch.tensor([0, 3, 8]))
     assert a == key(torch.tensor([0, 5, 8])) == key(torch.tensor([0, 1, 2, 8]))
     assert a == key(torch.tensor([0, 8]), max_seqlen=8)
     assert a != key(torch.tensor([0, 3, 8], dtype=torch.int32))
-    assert a != call_key(q, q, q, OPTS, None, None, NO_TENSORS, 0, None)
+    kv = key(torch.tensor([0, 8]), cu_seqlens_kv=torch.tensor([0, 8]))  # the kv boundaries alike
+    assert kv == key(torch.tensor([0, 3, 8]), cu_seqlens_kv=torch.tensor([0, 3, 8])) != a
+    assert a != call_key((q, q, q), SITE)
 
 
 def test_prepared_once_then_reused():
@@ -57,7 +65,7 @@ def test_prepared_once_then_reused():
         for S in (16, 16, 8, 16):
             qs, ks, vs = (t[:S].chunk(world)[rank] for t in (q, k, v))
             before = c.get("all_gather_object")
-            outs.append(cache.run(qs, ks, vs, OPTS, dist.group.WORLD, None))
+            outs.append(cache.run(qs, ks, vs, whole_world()))
             outs.append(c.get("all_gather_object") - before)
         return outs, len(cache.entries)
 
@@ -92,7 +100,7 @@ def test_cache_is_bounded_in_entries_and_bytes_and_stays_exact():
     the cache never holds more than its bounds, and every call is still exact."""
     from ulysses_mcore.call import held_bytes
 
-    opts = attention_options(True, "sbhd", "sdpa", None, 0.0, "load_balanced")
+    opts = attention_options(True, token_order="load_balanced")
 
     def full(i):
         g = torch.Generator().manual_seed(i)
@@ -103,7 +111,7 @@ def test_cache_is_bounded_in_entries_and_bytes_and_stays_exact():
         worst, outs = 0, {}
         for i in range(300):
             shards = [torch.cat([c[rank], c[2 * world - 1 - rank]]) for c in (t.chunk(2 * world) for t in full(i))]
-            out = cache.run(*shards, opts, dist.group.WORLD, None)
+            out = cache.run(*shards, whole_world(opts))
             worst = max(worst, cache.held)
             assert cache.held == sum(held_bytes(c) for c in cache.entries.values())
             if i % 60 == 7:
@@ -126,9 +134,10 @@ def test_cache_key_digest_is_the_same_in_every_process_for_the_same_call():
     from ulysses_mcore.call import digest
 
     q = torch.randn(4, 1, 2, 8)
-    k1 = call_key(q, q, q, OPTS, None, None, NO_TENSORS, 0, (("expected_heads", (2, 2)),))
-    k2 = call_key(q.clone(), q, q, OPTS, None, None, NO_TENSORS, 0, (("expected_heads", (2, 2)),))
-    k3 = call_key(q[:2], q[:2], q[:2], OPTS, None, None, NO_TENSORS, 0, (("expected_heads", (2, 2)),))
+    site = CallSite(OPTS, checks=(("expected_heads", (2, 2)),))
+    k1 = call_key((q, q, q), site)
+    k2 = call_key((q.clone(), q, q), CallSite(OPTS, checks=(("expected_heads", (2, 2)),)))
+    k3 = call_key((q[:2], q[:2], q[:2]), site)
     assert digest(k1) == digest(k2) != digest(k3)
     assert 0 <= digest(k1) < 1 << 62
 
@@ -143,10 +152,10 @@ def test_every_call_agreement_turns_a_late_mismatch_into_the_same_error_on_every
         a = [torch.randn(4, 1, 2, 8) for _ in range(3)]
         b = [torch.randn(6, 1, 2, 8) for _ in range(3)]
         for x in (a, b):
-            cache.run(*x, OPTS, dist.group.WORLD, None, check="every_call")
-        cache.run(*a, OPTS, dist.group.WORLD, None, check="every_call")  # agreeing: runs
+            cache.run(*x, whole_world(check="every_call"))
+        cache.run(*a, whole_world(check="every_call"))  # agreeing: runs
         with pytest.raises(ValueError) as e:
-            cache.run(*(a if rank == 0 else b), OPTS, dist.group.WORLD, None, check="every_call")
+            cache.run(*(a if rank == 0 else b), whole_world(check="every_call"))
         return str(e.value)
 
     first, second = run_threaded(2, fn)
@@ -158,10 +167,10 @@ def test_every_call_agreement_is_one_small_all_reduce():
     def fn(rank, world):
         cache = CallCache()
         x = [torch.randn(4, 1, 2, 8) for _ in range(3)]
-        cache.run(*x, OPTS, dist.group.WORLD, None, check="every_call")
+        cache.run(*x, whole_world(check="every_call"))
         names = c.NAMES
         before = {n: c.get(n) for n in names}
-        cache.run(*x, OPTS, dist.group.WORLD, None, check="every_call")
+        cache.run(*x, whole_world(check="every_call"))
         return {n: c.get(n) - before[n] for n in names if c.get(n) != before[n]}
 
     with count_collectives() as c:
@@ -181,10 +190,10 @@ def test_every_call_never_hangs_whatever_each_rank_has_cached(order):
         b = [torch.randn(6, 1, 2, 8) for _ in range(3)]
         seen = {"new/cached": [a], "cached/new": [a], "new/new": [], "both cached, swapped": [a, b]}[order]
         for x in seen:  # both ranks make the same earlier calls
-            cache.run(*x, OPTS, dist.group.WORLD, None, check="every_call")
+            cache.run(*x, whole_world(check="every_call"))
         mine = {"new/cached": (b, a), "cached/new": (a, b), "new/new": (b, [t[:2] for t in b])}.get(order, (b, a))
         with pytest.raises(ValueError) as e:
-            cache.run(*mine[rank], OPTS, dist.group.WORLD, None, check="every_call")
+            cache.run(*mine[rank], whole_world(check="every_call"))
         return str(e.value)
 
     first, second = run_threaded(2, fn, timeout=60)
@@ -201,10 +210,10 @@ def test_every_call_refuses_boundaries_that_differ_between_ranks_on_a_later_micr
         cache = CallCache()
         q, k, v = (torch.randn(16, 2, 8) for _ in range(3))
         first = CallTensors(cu_seqlens=torch.tensor([0, 16, 32]))
-        cache.run(q, k, v, thd, dist.group.WORLD, None, first, check="every_call")
+        cache.run(q, k, v, whole_world(thd, check="every_call"), first)
         later = CallTensors(cu_seqlens=torch.tensor([0, 10, 32] if rank == 0 else [0, 20, 32]))
         with pytest.raises(ValueError) as e:
-            cache.run(q, k, v, thd, dist.group.WORLD, None, later, check="every_call")
+            cache.run(q, k, v, whole_world(thd, check="every_call"), later)
         return str(e.value)
 
     first, second = run_threaded(2, fn, timeout=60)

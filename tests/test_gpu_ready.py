@@ -269,8 +269,8 @@ def test_steady_state_packed_layers_read_nothing_on_the_host():
 def test_max_seqlen_from_packed_seq_params_reaches_the_kernel():
     """Megatron's host ``max_seqlen_q`` is handed to the kernel (so flash / TE never read it off
     the device), and the call reads nothing itself: a recording kernel in the module's place."""
-    from ulysses_mcore.call import CallCache, CallTensors
-    from ulysses_mcore.options import attention_options
+    from ulysses_mcore.call import CallCache
+    from ulysses_mcore.options import CallSite, CallTensors, attention_options
 
     got = []
 
@@ -278,13 +278,12 @@ def test_max_seqlen_from_packed_seq_params_reaches_the_kernel():
         got.append({n: kw.get(n) for n in ("cu_seqlens", "max_seqlen", "causal")})
         return torch.zeros(*q.shape[:3], v.shape[3])
 
-    cache, opts = CallCache(), attention_options(True, "thd", "sdpa", None, 0.0, "contiguous", 1, None)
+    cache = CallCache()
+    site = CallSite(attention_options(True, layout="thd"), check=False, kernel=kernel)
     q = torch.randn(24, 4, 8)
     for cu, max_len in ((BATCHES[0][1], 12), (BATCHES[1][1], 16)):
         with HostReads() as reads:
-            cache.run(
-                q, q, q, opts, None, None, CallTensors(cu_seqlens=cu, max_seqlen=max_len), check=False, kernel=kernel
-            )
+            cache.run(q, q, q, site, CallTensors(cu_seqlens=cu, max_seqlen=max_len))
         assert reads.reads == []
     assert [g["max_seqlen"] for g in got] == [12, 16] and got[1]["cu_seqlens"] is BATCHES[1][1]
 

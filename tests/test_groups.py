@@ -42,23 +42,29 @@ def _world(rank, world):
             t = torch.tensor([rank], dtype=torch.int64)
             dist.all_reduce(t, group=grp)
             got[axes] = (t.item(), sum(topo.group_of(axes, rank)))
-        pgc = groups.get_pg_collection()
-        got["pgc.ulysses"] = pgc.ulysses is groups.get_ulysses_group()
+        # a layer finds the same groups in Megatron's own collection, split as the config says
+        from types import SimpleNamespace
+
+        from ulysses_mcore.megatron.module import sequence_groups
+
+        config = SimpleNamespace(hierarchical_context_parallel_sizes=[topo.ulysses, topo.cp] if topo.cp > 1 else None)
+        ranks = [None if g is None else dist.get_process_group_ranks(g) for g in (named["ulysses"], named["cp"])]
+        found = sequence_groups(config, groups.get_pg_collection())
+        got["layer's groups"] = ranks == [None if g is None else dist.get_process_group_ranks(g) for g in found]
         results.append(got)
         groups.destroy()
 
-    # megatron_patches: Megatron-LM's own initialize_model_parallel call registers the Ulysses group
+    # megatron_patches: Megatron-LM's own initialize_model_parallel call records the layout
     import argparse
 
     import megatron_patches
     from megatron.core import parallel_state as ps
-    from ulysses_mcore import state
 
     megatron_patches.fold_args(argparse.Namespace(ulysses_degree=4, context_parallel_size=1))
     megatron_patches.apply()
     try:
         ps.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=4)
-        g = state.get_ulysses_group()
+        g = groups.get_ulysses_group()
         results.append(
             {
                 "patched": sorted(dist.get_process_group_ranks(g))
@@ -78,7 +84,7 @@ def test_real_groups_match_pure_math():
         assert results[-1] == {"patched": True}, rank
         for cfg, got in zip(CONFIGS, results[:-1]):
             for axes, val in got.items():
-                if axes == "pgc.ulysses":
+                if axes == "layer's groups":
                     assert val, (rank, cfg)
                     continue
                 if val is None:  # only absent when that degree is 1

@@ -16,7 +16,7 @@ def test_core_runs_with_megatron_blocked():
         sys.modules["megatron"] = None  # any import of megatron.* now raises ImportError
         import torch, torch.distributed as dist
         import ulysses_mcore
-        from ulysses_mcore import attention, exchange, validation, ring, overlap, backends, topology, state
+        from ulysses_mcore import attention, call, exchange, options, validation, ring, overlap, backends, topology
         from tests.helpers import reference_attention, run_threaded
         g = torch.Generator().manual_seed(0)
         q, k, v = (torch.randn(16, 2, 4, 8, generator=g) for _ in range(3))

@@ -273,26 +273,25 @@ def test_module_rejects_unknown_softmax_type():
     assert all("config.softmax_type='sigmoid' is unknown" in str(e) for e in errs), errs
 
 
-def test_hybrid_groups_when_megatrons_collection_lacks_the_levels():
-    """Megatron's pg_collection with a context-parallel group of U x C ranks and no hierarchical
-    levels (the trainer's GPTModel): the module takes the registered Ulysses and ring groups -- the
-    ring stays on -- instead of running Ulysses over the whole context-parallel group."""
+def test_groups_come_from_megatrons_collection_as_its_config_splits_it():
+    """Megatron's pg_collection: its context-parallel group is all Ulysses without levels in the
+    config; with ``hierarchical_context_parallel_sizes = [U, C]`` the collection's two levels (a
+    level of one rank is no group); levels the collection lacks are refused by name (no guess)."""
     from types import SimpleNamespace
 
-    from ulysses_mcore import new_sequence_groups, state
-    from ulysses_mcore.megatron.module import resolve_groups
+    from ulysses_mcore import new_sequence_groups
+    from ulysses_mcore.megatron.module import sequence_groups
 
     def rank_fn(rank, world):
         ug, rg = new_sequence_groups(2, 2)
-        state.register(ug, rg)
-        try:
-            pg = SimpleNamespace(cp=dist.group.WORLD)
-            got = resolve_groups(SimpleNamespace(hierarchical_context_parallel_sizes=None), pg)
-            state.register(ug, None)  # a registry of another split: the whole group stays Ulysses
-            alone = resolve_groups(SimpleNamespace(hierarchical_context_parallel_sizes=None), pg)
-            return got == (ug, rg) and alone == (dist.group.WORLD, None)
-        finally:
-            state.clear()
+        flat = SimpleNamespace(hierarchical_context_parallel_sizes=None)
+        hier = SimpleNamespace(hierarchical_context_parallel_sizes=[2, 2])
+        pg = SimpleNamespace(cp=dist.group.WORLD, hcp=[ug, rg])
+        assert sequence_groups(flat, pg) == (dist.group.WORLD, None)
+        assert sequence_groups(hier, pg) == (ug, rg)
+        with pytest.raises(ValueError, match=r"hierarchical_context_parallel_sizes=\[2, 2\].*no levels"):
+            sequence_groups(hier, SimpleNamespace(cp=dist.group.WORLD))
+        return True
 
     assert all(run_threaded(4, rank_fn))
 

@@ -4,8 +4,8 @@ from ulysses_mcore.options import AttentionOptions, attention_options, has_windo
 
 
 def test_same_values_give_the_same_record():
-    a = attention_options(True, "sbhd", "sdpa", 0.125)
-    assert a is attention_options(True, "sbhd", "sdpa", 0.125)  # a dict lookup, no new dataclass
+    a = attention_options(True, layout="sbhd", backend="sdpa", softmax_scale=0.125)
+    assert a is attention_options(True, layout="sbhd", backend="sdpa", softmax_scale=0.125)  # a dict lookup
     assert a == AttentionOptions(True, "sbhd", "sdpa", 0.125) and hash(a) == hash(
         AttentionOptions(True, "sbhd", "sdpa", 0.125)
     )
@@ -33,3 +33,16 @@ def test_window_and_variant_names():
     assert not has_window(None) and not has_window((-1, -1)) and has_window((0, -1))
     assert options_set((8, 0), None, True) == ["window_size", "return_lse"]
     assert options_set() == []
+
+
+def test_options_are_named_and_an_unknown_one_is_refused():
+    import pytest
+
+    with pytest.raises(TypeError, match="unknown option.*'windw'"):
+        attention_options(True, windw=(4, 0))
+
+
+def test_kernel_keywords_carry_the_options_in_use_only():
+    assert attention_options(True).kernel_keywords("sbhd") == dict(causal=True, softmax_scale=None, layout="sbhd")
+    kw = attention_options(False, window_size=(-1, -1), dropout_p=0.1, return_lse=True).kernel_keywords("bshd")
+    assert kw == dict(causal=False, softmax_scale=None, layout="bshd", dropout_p=0.1, return_lse=True)

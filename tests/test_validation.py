@@ -152,19 +152,12 @@ def test_verdict_is_cached_per_signature():
 
 
 def test_record_fields_are_compared_exactly():
-    opts = dict(
-        layout="thd",
-        backend="sdpa",
-        causal=True,
-        softmax_scale=None,
-        dropout_p=0.0,
-        token_order="contiguous",
-        overlap_chunks=1,
-        degree=2,
-    )
+    from ulysses_mcore.options import CallSite, CallTensors, attention_options
+
+    site = CallSite(attention_options(True, layout="thd"))
     t = torch.randn(8, H, D)
-    a = validation.describe(t, t, t, cu_seqlens=torch.tensor([0, 1, 2, 3, 13, 16]), **opts)
-    b = validation.describe(t, t, t, cu_seqlens=torch.tensor([0, 1, 2, 8, 9, 16]), **opts)
+    a = validation.call_record((t, t, t), site, CallTensors(cu_seqlens=torch.tensor([0, 1, 2, 3, 13, 16])), (2, 1))
+    b = validation.call_record((t, t, t), site, CallTensors(cu_seqlens=torch.tensor([0, 1, 2, 8, 9, 16])), (2, 1))
     assert a.problem == b.problem == ""
     assert "disagree in cu_seqlens" in validation.verdict([a, b], 2)
     assert validation.verdict([a, a], 2) is None

@@ -1,7 +1,7 @@
 """ulysses-mcore: Ulysses sequence parallelism (all-to-all attention) for Megatron-Core.
 
 Layers: the core (``attention``, ``exchange``, ``validation``, ``ring``, ``overlap``,
-``backends``, ``topology``, ``state``) imports torch only; the Megatron adapter is
+``backends``, ``topology``) imports torch only; the Megatron adapter is
 :mod:`ulysses_mcore.megatron`.  Names are imported lazily, so ``import ulysses_mcore`` and the
 functional API never import Megatron-Core; ``UlyssesAttention``, ``initialize`` and
 ``get_ulysses_layer_spec`` load the adapter when first used.
@@ -19,8 +19,7 @@ _EXPORTS = {
     "HeadPlan": "exchange",
     "seq_to_head": "exchange",
     "head_to_seq": "exchange",
-    "get_ulysses_group": "state",
-    "set_ulysses_group": "state",
+    "get_ulysses_group": "megatron.groups",
     "Topology": "topology",
     "TopologyError": "topology",
     "initialize": "megatron.groups",

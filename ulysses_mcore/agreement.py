@@ -6,11 +6,12 @@ its peers skip)."""
 from __future__ import annotations
 
 import hashlib
+from dataclasses import fields
 
 import torch
 import torch.distributed as dist
 
-from .options import AttentionOptions
+from .options import AttentionOptions, CallSite
 from .validation import is_fake_group
 
 
@@ -27,10 +28,10 @@ def _stable(x):
         return x.type
     if isinstance(x, dist.ProcessGroup):
         return ("group", x.size())
-    if isinstance(x, AttentionOptions):
-        return tuple(
-            (f, _stable(getattr(x, f) if not callable(getattr(x, f)) else "callable")) for f in x.__dataclass_fields__
-        )
+    if isinstance(x, (AttentionOptions, CallSite)):  # field by field, callables by name
+        return tuple((f.name, _stable(getattr(x, f.name))) for f in fields(x))
+    if callable(x) and not isinstance(x, type):
+        return "callable"
     return type(x).__name__
 
 

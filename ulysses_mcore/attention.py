@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from .backends import Kernel
-from .call import NO_TENSORS, CallCache, CallTensors
-from .options import attention_options
+from .call import CallCache
+from .options import NO_TENSORS, CallSite, CallTensors, attention_options
 from .orders import load_balanced_permutation, per_document_order  # noqa: F401 - public here too
 
 CALLS = CallCache()  # the functional API's prepared calls (a UlyssesAttention module keeps its own)
@@ -114,8 +114,17 @@ def ulysses_attention(
     directly.
     """
     opts = attention_options(
-        causal, layout, backend, softmax_scale, dropout_p, token_order, overlap_chunks, window_size, return_lse
+        causal,
+        layout=layout,
+        backend=backend,
+        softmax_scale=softmax_scale,
+        dropout_p=dropout_p,
+        token_order=token_order,
+        overlap_chunks=overlap_chunks,
+        window_size=window_size,
+        return_lse=return_lse,
     )
+    site = CallSite(opts, group=group, ring_group=ring_group, first_head=first_head, check=check)
     tensors = NO_TENSORS
     if (
         attention_mask is not None
@@ -124,8 +133,15 @@ def ulysses_attention(
         or seqlens is not None
         or softmax_offset is not None
     ):
-        tensors = CallTensors(attention_mask, attention_bias, cu_seqlens, seqlens, softmax_offset, max_seqlen)
-    return CALLS.run(query, key, value, opts, group, ring_group, tensors, first_head, check)
+        tensors = CallTensors(
+            attention_mask=attention_mask,
+            attention_bias=attention_bias,
+            cu_seqlens=cu_seqlens,
+            seqlens=seqlens,
+            softmax_offset=softmax_offset,
+            max_seqlen=max_seqlen,
+        )
+    return CALLS.run(query, key, value, site, tensors)
 
 
 def release() -> None:
@@ -149,18 +165,16 @@ def release() -> None:
 @atexit.register
 def _let_go_at_exit() -> None:
     """At interpreter exit, while Python is still whole: every prepared call of every cache (the
-    modules' too) and the registry let go of the process groups they hold.  A group object kept
+    modules' too) let go of the process groups they hold.  A group object kept
     alive into interpreter finalization is destroyed there, after the runtime it needs is gone, and
     gloo's destructor then ends the process with ``terminate called without an active exception``
     (SIGABRT): 2 of 12, then 11 of 30 two-rank worlds without this hook, 0 of 100 with it
     (tests/test_attention.py, docs/design.md)."""
-    from . import state
     from .call import LIVE_CACHES
 
     release()
     for cache in list(LIVE_CACHES):
         cache.clear()
-    state.clear()
 
 
 def new_sequence_groups(ulysses: int, cp: int = 1):

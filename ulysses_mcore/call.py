@@ -18,78 +18,62 @@ from __future__ import annotations
 
 import weakref
 from functools import partial
-from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 
 from .backends import plain_sdpa_kernel, resolve, te_attention
 from .exchange import HeadPlan, OutRoute, exchange_out, exchange_qkv, kv_index, pack_lse, qkv_route, seq_dim, unpack_lse
-from .options import AttentionOptions
-from .orders import token_orders
 from .agreement import agree_call, digest
+from .options import NO_TENSORS, CallSite, CallTensors
+from .orders import token_orders
 from .validation import check_call, has_values
 
 
-class CallTensors(NamedTuple):
-    """The per-call tensors beside the options (data, not options)."""
+# how each per-call field enters a signature: "tensor" (shape, dtype, device, requires_grad),
+# "boundaries" (document boundaries: a new batch's are not a new signature: dtype and device only),
+# "value" (as it is), None (not part of the signature)
+_KEY_KIND = {
+    "attention_mask": "tensor",
+    "attention_bias": "tensor",
+    "cu_seqlens": "boundaries",
+    "seqlens": "boundaries",
+    "softmax_offset": "tensor",
+    "max_seqlen": None,
+    "cu_seqlens_kv": "boundaries",
+    "qkv_format": "value",
+}
 
-    attention_mask: Optional[torch.Tensor] = None
-    attention_bias: Optional[torch.Tensor] = None
-    cu_seqlens: Optional[torch.Tensor] = None
-    seqlens: Optional[torch.Tensor] = None
-    softmax_offset: Optional[torch.Tensor] = None
-    max_seqlen: Optional[int] = None  # the longest packed document (or a bound), a host int: not in the key
 
-
-NO_TENSORS = CallTensors()
-_BOUNDARIES = (2, 3)  # cu_seqlens, seqlens: a new batch's boundaries are not a new signature
-_KEYED = 5  # the tensors that are part of a call's signature (max_seqlen is not)
-
-
-def _tensor_key(i: int, t):
+def _tensor_key(kind: str, t):
     """A tensor's part of the signature: shape, dtype, device, requires_grad -- and for document
     boundaries no shape and no values (every packed micro-batch has its own documents: the first
     batch of a signature is validated, later ones are trusted, and nothing is read on the host)."""
-    if t is None:
-        return None
+    if t is None or kind == "value":
+        return t
     if not isinstance(t, torch.Tensor):
         return ("not a tensor", type(t).__name__)
-    if i in _BOUNDARIES and t.dim() == 1 and not t.is_floating_point():
+    if kind == "boundaries" and t.dim() == 1 and not t.is_floating_point():
         return ("boundaries", t.dtype, t.device)
     return (t.shape, t.dtype, t.device, t.requires_grad)
 
 
-def call_key(q, k, v, opts: AttentionOptions, group, ring_group, tensors: CallTensors, head0: int, extra):
-    """The cache key of a call: one tuple of shapes, dtypes, devices, flags, groups (``None`` when
-    an input is not a tensor: such a call is validated every time, and fails)."""
-    if extra is not None:
-        extra = tuple((name, _tensor_key(2, val) if isinstance(val, torch.Tensor) else val) for name, val in extra)
+def call_key(qkv, site: CallSite, tensors: CallTensors = NO_TENSORS):
+    """The cache key of a call: its site, then one tuple of shapes, dtypes, devices and flags
+    (``None`` when an input is not a tensor: such a call is validated every time, and fails)."""
     try:
-        key = (
-            opts,
-            group,
-            ring_group,
-            head0,
-            extra,
-            q.shape,
-            k.shape,
-            v.shape,
-            q.dtype,
-            k.dtype,
-            v.dtype,
-            q.device,
-            k.device,
-            v.device,
-            q.requires_grad,
-            k.requires_grad,
-            v.requires_grad,
-        )
+        key = (site,) + tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in qkv)
     except AttributeError:
         return None
     if tensors is not NO_TENSORS:
-        key += tuple(_tensor_key(i, t) for i, t in enumerate(tensors[:_KEYED]))
+        key += tuple(_tensor_key(kind, t) for kind, t in zip(_KEY_KIND.values(), tensors) if kind)
     return key
+
+
+def sizes(site: CallSite):
+    """(Ulysses degree, ring size) of a site's groups (1 for ``None``; -1 where this rank is not a member)."""
+    degree = 1 if site.group is None else dist.get_world_size(site.group)
+    return degree, 1 if site.ring_group is None else dist.get_world_size(site.ring_group)
 
 
 LIVE_CACHES: weakref.WeakSet[CallCache] = weakref.WeakSet()  # every cache, emptied at exit (attention.py)
@@ -114,58 +98,43 @@ class CallCache:
         self.max_entries, self.max_bytes = max_entries, max_bytes
         self.held = 0
 
-    def run(
-        self,
-        q,
-        k,
-        v,
-        opts: AttentionOptions,
-        group,
-        ring_group,
-        tensors: CallTensors = NO_TENSORS,
-        head0: int = 0,
-        check=True,
-        extra=None,
-        kernel=None,
-    ):
+    def run(self, q, k, v, site: CallSite, tensors: CallTensors = NO_TENSORS):
         """Attention of this call: the prepared call of its signature, made (and validated when
-        ``check``) the first time.  ``extra``: the caller's own checks (a hashable tuple of
-        ``(name, value)`` pairs, e.g. the module's expected heads), part of the signature.  ``kernel``:
-        the caller's own kernel object (a module's Transformer Engine child), fixed per cache."""
-        key = call_key(q, k, v, opts, group, ring_group, tensors, head0, extra)
+        ``site.check``) the first time."""
+        qkv = (q, k, v)
+        key = call_key(qkv, site, tensors)
         call = self.entries.get(key) if key is not None else None
-        validate = check
-        if check == "every_call" and group is not None and dist.get_world_size(group) > 1:
-            validate = self._every_call(key, call, q, k, v, opts, group, ring_group, tensors, extra)
+        validate = site.check
+        if site.check == "every_call" and site.group is not None and dist.get_world_size(site.group) > 1:
+            validate = self._every_call(key, call, qkv, site, tensors)
             if validate and call is not None:  # a peer's first call of this signature: check together
-                _validate(q, k, v, opts, tensors, extra, group, ring_group)
+                check_call(qkv, site, tensors)
         if call is None:
-            call = self.prepare(key, q, k, v, opts, group, ring_group, tensors, head0, validate, extra, kernel)
+            call = self.prepare(key, qkv, site, tensors, validate=validate)
         return call(q, k, v, tensors)
 
-    def _every_call(self, key, call, q, k, v, opts, group, ring_group, tensors, extra) -> bool:
+    def _every_call(self, key, call, qkv, site: CallSite, tensors: CallTensors) -> bool:
         """``check="every_call"``, before anything else of the call and whether its signature is
         cached here or not: one all-reduce agrees on the signature, the document boundaries and
         whether any rank sees the signature for the first time.  Ranks that differ all run the full
         check and raise the same ``ValueError``; otherwise returns whether to validate (together)."""
         sig = call.digest if call is not None else digest(key)
-        bounds = (tensors.cu_seqlens, tensors.seqlens) if tensors is not NO_TENSORS else (None, None)
-        same, anyone_new = agree_call(sig, bounds, call is None, group, q.device)
+        bounds = (tensors.cu_seqlens, tensors.seqlens)
+        same, anyone_new = agree_call(sig, bounds, call is None, site.group, qkv[0].device)
         if not same:
-            self._disagreement(q, k, v, opts, group, ring_group, tensors, extra)
+            self._disagreement(qkv, site, tensors)
         return anyone_new
 
-    def prepare(self, key, q, k, v, opts, group, ring_group, tensors, head0, check, extra, kernel=None):
-        degree = 1 if group is None else dist.get_world_size(group)
-        ring = 1 if ring_group is None else dist.get_world_size(ring_group)
+    def prepare(self, key, qkv, site: CallSite, tensors: CallTensors, *, validate=True):
+        degree, ring = sizes(site)
         if degree < 1 or ring < 1:  # no peer waits on a rank outside the group: raising here is safe
             raise ValueError(
                 f"ulysses_attention: rank {dist.get_rank()} is not a member of the "
                 f"{'group' if degree < 1 else 'ring_group'} it was given; pass this rank's own group"
             )
-        if check:
-            _validate(q, k, v, opts, tensors, extra, group, ring_group)
-        call = PreparedCall(q, k, v, opts, group, ring_group, degree, ring, tensors, head0, kernel)
+        if validate:
+            check_call(qkv, site, tensors)
+        call = PreparedCall(qkv, site, tensors)
         call.digest = digest(key)
         if key is not None:
             self._keep(key, call)
@@ -187,21 +156,14 @@ class CallCache:
         self.held = 0
 
     @staticmethod
-    def _disagreement(q, k, v, opts, group, ring_group, tensors, extra):
+    def _disagreement(qkv, site: CallSite, tensors: CallTensors):
         """Every rank of the group is here (the agreement's result is the same everywhere): the full
         check names the difference, the same on every rank."""
-        _validate(q, k, v, opts, tensors, extra, group, ring_group)
+        check_call(qkv, site, tensors)
         raise ValueError(
             "ulysses_attention: the ranks of the group called with different signatures (shapes, dtypes, "
             "options or document boundaries); call with the same shapes and cu_seqlens on every rank"
         )
-
-
-def _validate(q, k, v, opts, tensors, extra, group, ring_group):
-    degree = 1 if group is None else dist.get_world_size(group)
-    ring = 1 if ring_group is None else dist.get_world_size(ring_group)
-    checked = {name: t for name, t in tensors._asdict().items() if name != "max_seqlen"}
-    check_call(q, k, v, opts, checked, dict(extra or ()), group, ring_group, degree, ring)
 
 
 def held_bytes(obj, depth: int = 6) -> int:
@@ -243,39 +205,38 @@ def lse_columns(dtype: torch.dtype) -> int:
 class PreparedCall:
     """Everything about one call signature that does not change from call to call."""
 
-    def __init__(self, q, k, v, opts: AttentionOptions, group, ring_group, degree, ring, tensors, head0, kernel=None):
-        self.group, self.ring_group, self.opts = group, ring_group, opts
+    def __init__(self, qkv, site: CallSite, tensors: CallTensors):
+        q, k, v = qkv
+        opts = site.options
+        degree, ring = sizes(site)
+        self.group, self.ring_group, self.opts = site.group, site.ring_group, opts
         self.thd = opts.layout == "thd"
         self.layout = "sbhd" if self.thd else opts.layout
         if self.thd:
             q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
-        self.kw = dict(causal=opts.causal, softmax_scale=opts.softmax_scale, layout=self.layout)
-        if opts.dropout_p:
-            self.kw["dropout_p"] = opts.dropout_p
-        if opts.window is not None:
-            self.kw["window_size"] = opts.window
-        if opts.return_lse:
-            self.kw["return_lse"] = True
+        self.kw = opts.kernel_keywords(self.layout)
         self.exchange = degree > 1
-        rank = dist.get_rank(group) if self.exchange else 0
+        rank = dist.get_rank(site.group) if self.exchange else 0
         self.plan = HeadPlan(q.shape[2], k.shape[2], degree)
         self.lo, self.hi = self.plan.q_range(rank)
-        self.head0 = head0
-        self.kw["heads"] = (head0 + self.lo, head0 + self.hi)
+        self.head0 = site.first_head
+        self.kw["heads"] = (self.head0 + self.lo, self.head0 + self.hi)
         self.kv_index = kv_index(self.plan, rank, q.device) if self.exchange else None
         kv_local = self.hi - self.lo if self.kv_index is not None else self.plan.kv_count(rank)
+        kernel = site.kernel
         if kernel is None:
-            kernel, self.kw = self._kernel(q, v, opts, ring, ring_group, tensors, kv_local != self.hi - self.lo)
+            kernel, self.kw = self._kernel((q, v), ring, tensors, gqa=kv_local != self.hi - self.lo)
         self.kernel = kernel
         if self.exchange:
             self._routes(q, v, rank, opts)
 
-    def _kernel(self, q, v, opts, ring, ring_group, tensors, gqa: bool):
+    def _kernel(self, qv, ring: int, tensors, gqa: bool):
         """(the kernel, the keywords it is called with)."""
+        opts = self.opts
         if ring > 1:
-            return ring_kernel(opts.backend, ring_group, opts.token_order), self.kw
+            return ring_kernel(opts.backend, self.ring_group, opts.token_order), self.kw
         if tensors is NO_TENSORS:  # nothing per call: the plain SDPA call, its keywords bound once
-            fast = plain_sdpa_kernel(opts, q, v, gqa, self.layout)
+            fast = plain_sdpa_kernel(opts, *qv, gqa, self.layout)
             if fast is not None:
                 return fast, {}
         return resolve(opts.backend), self.kw
@@ -313,18 +274,15 @@ class PreparedCall:
         if tensors is NO_TENSORS:
             return self.kw
         kw = dict(self.kw)
-        mask, bias, cu, lens, offset, max_seqlen = tensors
-        for name, t in (("attention_mask", mask), ("attention_bias", bias)):
+        for name in ("attention_mask", "attention_bias"):
+            t = getattr(tensors, name)
             if t is not None:
                 kw[name] = t if t.shape[1] == 1 or not self.exchange else t[:, lo:hi]
-        if cu is not None:
-            kw["cu_seqlens"] = cu
-        if lens is not None:
-            kw["seqlens"] = lens
-        if max_seqlen is not None:
-            kw["max_seqlen"] = max_seqlen
-        if offset is not None:  # this rank's heads' sinks: autograd routes their gradient back
-            kw["softmax_offset"] = offset[lo:hi] if self.exchange else offset
+        for name in ("cu_seqlens", "seqlens", "max_seqlen"):
+            if getattr(tensors, name) is not None:
+                kw[name] = getattr(tensors, name)
+        if tensors.softmax_offset is not None:  # this rank's heads' sinks: autograd routes their gradient back
+            kw["softmax_offset"] = tensors.softmax_offset[lo:hi] if self.exchange else tensors.softmax_offset
         return kw
 
     def _exchanged(self, q, k, v, tensors):

@@ -7,7 +7,14 @@ log-sum-exp is returned -- so ``ulysses_attention``, the validator, the prepared
 site: :func:`attention_options` returns the same (hashable) record for the same values, so the
 functional API pays one dict lookup per call, and the record is itself part of the cache key of
 a validated call.  Per-call tensors (masks, bias, document boundaries, sinks) are data, not
-options: they travel beside the record.
+options: they travel beside it in one :class:`CallTensors`.  :class:`CallSite` holds the options
+with the rest of what is fixed where the attention is called (groups, first head, the caller's
+checks and kernel, the check mode): the cache, the prepared call and the validator read it by
+field name.
+
+Adding an option: a field here (and in :meth:`AttentionOptions.kernel_keywords` when the kernels
+take it), its check in :mod:`ulysses_mcore.validation`, and the kernels that implement it; the
+record the ranks compare and the cache key follow from the fields (docs/design.md).
 
 The fields are typed as a valid call has them, but values are stored as given (a bad one is the
 validator's to report, the same on every rank); only a ``window_size`` list becomes a tuple, so
@@ -16,8 +23,8 @@ the record stays hashable.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Optional, Tuple, Union
+from dataclasses import dataclass, fields
+from typing import Any, Callable, NamedTuple, Optional, Tuple, Union
 
 LSE_TILE = 512  # tokens per tile of the log-sum-exp kernel: scores held at once are [b, h, 512, 512]
 FLASH_HEAD_DIM_STEP, FLASH_MAX_HEAD_DIM = 8, 256  # the flash kernels' head dims (torch's and flash-attn's)
@@ -61,36 +68,93 @@ class AttentionOptions:
         """The window in force, or ``None`` (``(-1, -1)`` is none)."""
         return tuple(self.window_size) if has_window(self.window_size) else None
 
+    def kernel_keywords(self, layout: str) -> dict:
+        """The keywords every kernel call of this site takes (the ones in use only: a kernel that
+        lacks an option it is not asked for still runs)."""
+        kw = dict(causal=self.causal, softmax_scale=self.softmax_scale, layout=layout)
+        if self.dropout_p:
+            kw["dropout_p"] = self.dropout_p
+        if self.window is not None:
+            kw["window_size"] = self.window
+        if self.return_lse:
+            kw["return_lse"] = True
+        return kw
+
 
 _CACHE: dict = {}
 _CACHE_MAX = 1024
+_OPTION_NAMES = tuple(f.name for f in fields(AttentionOptions))
 
 
-def attention_options(
-    causal,
-    layout="sbhd",
-    backend="sdpa",
-    softmax_scale=None,
-    dropout_p=0.0,
-    token_order="contiguous",
-    overlap_chunks=1,
-    window_size=None,
-    return_lse=False,
-):
-    """The :class:`AttentionOptions` of these values: one dict lookup when seen before."""
-    if isinstance(window_size, list):
-        window_size = tuple(window_size)
-    key = (causal, layout, backend, softmax_scale, dropout_p, token_order, overlap_chunks, window_size, return_lse)
-    try:  # the types too: causal=1 or dropout_p=False must reach the validator as given, not as True / 0.0
-        rec = _CACHE.get(key + (type(causal), type(dropout_p), type(return_lse)))
+def attention_options(causal, **choices) -> AttentionOptions:
+    """The :class:`AttentionOptions` of ``causal`` and the other fields by name (a dict lookup
+    when seen before).  The values' types are part of the lookup: ``causal=1`` or
+    ``dropout_p=False`` reach the validator as given, not as ``True`` / ``0.0``."""
+    if isinstance(choices.get("window_size"), list):
+        choices["window_size"] = tuple(choices["window_size"])
+    choices["causal"] = causal
+    unknown = set(choices) - set(_OPTION_NAMES)
+    if unknown:
+        raise TypeError(f"attention_options: unknown option(s) {sorted(unknown)}; the options: {list(_OPTION_NAMES)}")
+    key = tuple((name, choices[name], type(choices[name])) for name in _OPTION_NAMES if name in choices)
+    try:
+        rec = _CACHE.get(key)
     except TypeError:  # an unhashable value: the validator will name it
-        return AttentionOptions(*key)
+        return AttentionOptions(**choices)
     if rec is None:
-        rec = AttentionOptions(*key)
+        rec = AttentionOptions(**choices)
         if len(_CACHE) >= _CACHE_MAX:
             _CACHE.clear()
-        _CACHE[key + (type(causal), type(dropout_p), type(return_lse))] = rec
+        _CACHE[key] = rec
     return rec
 
 
-__all__ = ["AttentionOptions", "attention_options", "has_window", "options_set", "LSE_TILE", "VARIANT_OPTIONS"]
+class CallTensors(NamedTuple):
+    """The per-call data beside the options: tensors that change from call to call (and the
+    packed-sequence record's format), read by name everywhere."""
+
+    attention_mask: Any = None
+    attention_bias: Any = None
+    cu_seqlens: Any = None
+    seqlens: Any = None
+    softmax_offset: Any = None
+    max_seqlen: Optional[int] = None  # the longest packed document (or a bound), a host int: not in the key
+    cu_seqlens_kv: Any = None  # Megatron's packed-sequence record: checked against cu_seqlens
+    qkv_format: Optional[str] = None  # Megatron's packed-sequence record's format ("thd")
+
+
+NO_TENSORS = CallTensors()
+
+
+@dataclass(frozen=True)
+class CallSite:
+    """Everything fixed at one call site, resolved once: the options, the sequence groups (Ulysses,
+    ring), the model's index of the first query head held here, the caller's own checks (hashable
+    ``(name, value)`` pairs, e.g. a module's expected heads), the caller's own kernel object (a
+    module's Transformer Engine child) and the check mode (``True``, ``False``, ``"every_call"``).
+    Hashable: it is part of the key of a prepared call."""
+
+    options: AttentionOptions
+    group: Any = None
+    ring_group: Any = None
+    first_head: int = 0
+    checks: Tuple[Tuple[str, Any], ...] = ()
+    kernel: Any = None
+    check: Union[bool, str] = True
+
+    def checked(self, name: str, default=None):
+        """The caller's check ``name``, or ``default``."""
+        return dict(self.checks).get(name, default)
+
+
+__all__ = [
+    "AttentionOptions",
+    "CallSite",
+    "CallTensors",
+    "NO_TENSORS",
+    "attention_options",
+    "has_window",
+    "options_set",
+    "LSE_TILE",
+    "VARIANT_OPTIONS",
+]

@@ -19,7 +19,7 @@ signature together (they run the same model on the same kind of batch).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -35,7 +35,7 @@ from .backends import (
     flash_problem,
 )
 from .exchange import LAYOUTS, head_layout_error, is_even, overlap_error, seq_dim
-from .options import AttentionOptions, has_window, options_set
+from .options import NO_TENSORS, AttentionOptions, CallSite, CallTensors, has_window, options_set
 from .orders import TOKEN_ORDERS
 
 
@@ -55,30 +55,31 @@ class TensorSig:
         return TensorSig(tuple(t.shape), str(t.dtype).replace("torch.", ""), t.device.type, t.requires_grad)
 
 
+# the per-call data as the ranks compare it: (field of CallTensors, how it is recorded, what a
+# disagreement is called) -- the one list of them (the options are compared field by field)
+_DATA = (
+    ("attention_mask", "sig", "attention_mask (presence, shape, dtype)"),
+    ("attention_bias", "sig", "attention_bias (presence, shape, dtype, requires_grad)"),
+    ("cu_seqlens", "values", "cu_seqlens (the global document boundaries must be identical on every rank)"),
+    ("seqlens", "values", "seqlens (real document lengths must be identical on every rank)"),
+    ("softmax_offset", "sig", "softmax_offset (presence, shape, dtype, requires_grad)"),
+)
+
+
 @dataclass(frozen=True)
 class CallRecord:
-    """One rank's view of one call, compared field by field across ranks."""
+    """One rank's view of one call, compared across ranks: its own problem ("" = none: it travels to
+    every rank), the options as compared (the backend by name, the window in force), the three
+    tensors' signatures, the degrees and the per-call data of :data:`_DATA` by name."""
 
-    problem: str  # this rank's own problem ("" = none): it travels to every rank
-    layout: str
-    backend: str
-    causal: Any  # must be a bool (a problem otherwise)
+    problem: str
+    options: AttentionOptions
     query: TensorSig
     key: TensorSig
     value: TensorSig
-    mask: Optional[TensorSig]
-    bias: Optional[TensorSig]
-    softmax_scale: Optional[float]
-    dropout_p: float
-    token_order: str
-    overlap_chunks: int
-    degree: int
-    ring: int
-    cu_seqlens: Optional[Tuple[int, ...]]  # the global document boundaries, in full
-    seqlens: Optional[Tuple[int, ...]]  # real lengths when documents are padded (THD), else None
-    window_size: Any = None  # (left, right) or None
-    softmax_offset: Optional[TensorSig] = None
-    return_lse: Any = False
+    degree: int = 1
+    ring: int = 1
+    data: Dict[str, Any] = field(default_factory=dict)
 
 
 # ----------------------------------------------------------------------------- one rank
@@ -112,11 +113,14 @@ def _dtype(t) -> str:
 
 
 class _Call:
-    """One rank's call as the checks read it (``o``: the options, tensors and caller's checks by name)."""
+    """One rank's call as the checks read it: the tensors, the site's options (``opts``), the
+    per-call data (``t``), the caller's checks (``site.checked``), the degrees -- all by name."""
 
-    def __init__(self, q, k, v, o: Dict[str, Any], degree: int, ring: int):
-        self.q, self.k, self.v, self.o, self.degree, self.ring = q, k, v, o, degree, ring
-        self.layout, self.backend = o["layout"], o["backend"]
+    def __init__(self, qkv, site: CallSite, tensors: CallTensors, sizes: Tuple[int, int]):
+        self.q, self.k, self.v = qkv
+        self.site, self.opts, self.t = site, site.options, tensors
+        self.degree, self.ring = sizes
+        self.layout, self.backend = self.opts.layout, self.opts.backend
         self.thd = self.layout == "thd"
         self.names = "[t, h, d]" if self.thd else f"[{','.join(str(self.layout))}]"
 
@@ -133,8 +137,8 @@ class _Call:
 def _flags_problem(c: _Call) -> str:
     if not isinstance(c.layout, str) or c.layout not in LAYOUTS + ("thd",):
         return f"layout={c.layout!r} is unknown: use 'sbhd' ([s, b, h, d], Megatron's), 'bshd' or 'thd' (packed)"
-    if not isinstance(c.o["causal"], bool):
-        return f"causal must be True or False, got {c.o['causal']!r}"
+    if not isinstance(c.opts.causal, bool):
+        return f"causal must be True or False, got {c.opts.causal!r}"
     if not callable(c.backend) and c.backend not in BUILTIN_BACKENDS:
         return (
             f"backend={c.backend!r} is unknown: use one of {list(BUILTIN_BACKENDS)} or a callable "
@@ -185,7 +189,7 @@ def _shape_problem(c: _Call) -> str:
     if c.backend == "flash" and flash_head_dim_problem(q.shape[-1], v.shape[-1]):
         return flash_head_dim_problem(q.shape[-1], v.shape[-1])
     if c.backend == "flash" and backend_error("flash") is None:
-        why = flash_problem(bool(c.o.get("dropout_p")), c.mla)
+        why = flash_problem(bool(c.opts.dropout_p), c.mla)
         if why:
             return f"backend='flash' (value head dim {v.shape[-1]}, query/key {q.shape[-1]}): {why}"
     if k.shape[hdim] != v.shape[hdim]:
@@ -197,7 +201,7 @@ def _shape_problem(c: _Call) -> str:
 
 def _heads_problem(c: _Call) -> str:
     hq, hk = c.q.shape[c.hdim], c.k.shape[c.hdim]
-    expected = c.o.get("expected_heads")
+    expected = c.site.checked("expected_heads")
     if expected is not None and (hq, hk) != expected:
         return (
             f"the module was built for {expected[0]} query / {expected[1]} kv heads per tensor-parallel rank "
@@ -208,10 +212,10 @@ def _heads_problem(c: _Call) -> str:
 
 
 def _overlap_problem(c: _Call) -> str:
-    chunks, degree = c.o["overlap_chunks"], c.degree
+    chunks, degree = c.opts.overlap_chunks, c.degree
     if degree <= 1 or (isinstance(chunks, int) and chunks == 1):
         return ""
-    if chunks != 1 and (c.mla or c.o.get("return_lse")):
+    if chunks != 1 and (c.mla or c.opts.return_lse):
         return (
             f"overlap_chunks={chunks} takes one head dim and no return_lse: use overlap_chunks=1 with "
             "value heads of another size or return_lse=True"
@@ -224,7 +228,7 @@ def _overlap_problem(c: _Call) -> str:
 
 def _mask_problem(c: _Call) -> str:
     for name in ("attention_mask", "attention_bias"):
-        t = c.o.get(name)
+        t = getattr(c.t, name)
         if t is None:
             continue
         if not isinstance(t, torch.Tensor):
@@ -245,20 +249,20 @@ def _mask_problem(c: _Call) -> str:
 
 
 def _scalar_problem(c: _Call) -> str:
-    scale, p = c.o["softmax_scale"], c.o["dropout_p"]
+    scale, p = c.opts.softmax_scale, c.opts.dropout_p
     if scale is not None and (
         isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)
     ):
         return f"softmax_scale must be a finite number or None, got {scale!r}"
     if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
         return f"dropout_p must be a number in [0, 1], got {p!r}"
-    if c.o["token_order"] not in TOKEN_ORDERS:
-        return f"token_order={c.o['token_order']!r} is unknown: use one of {list(TOKEN_ORDERS)}"
+    if c.opts.token_order not in TOKEN_ORDERS:
+        return f"token_order={c.opts.token_order!r} is unknown: use one of {list(TOKEN_ORDERS)}"
     return ""
 
 
 def _window_value_problem(c: _Call) -> str:
-    window = c.o.get("window_size")
+    window = c.opts.window_size
     if window is not None and not (
         isinstance(window, (tuple, list))
         and len(window) == 2
@@ -273,7 +277,7 @@ def _window_value_problem(c: _Call) -> str:
 
 def _sinks_value_problem(c: _Call) -> str:
     """Attention sinks and the log-sum-exp flag: their values."""
-    offset, lse = c.o.get("softmax_offset"), c.o.get("return_lse", False)
+    offset, lse = c.t.softmax_offset, c.opts.return_lse
     if offset is not None:
         if not isinstance(offset, torch.Tensor) or not offset.is_floating_point() or offset.dim() != 1:
             what = (
@@ -296,8 +300,8 @@ def _sinks_value_problem(c: _Call) -> str:
 
 def _variant_support_problem(c: _Call) -> str:
     """Which kernels take the variants in use."""
-    o, backend = c.o, c.backend
-    wants = options_set(o.get("window_size"), o.get("softmax_offset"), o.get("return_lse", False))
+    backend = c.backend
+    wants = options_set(c.opts.window_size, c.t.softmax_offset, c.opts.return_lse)
     if not wants:
         return ""
     if callable(backend):
@@ -316,20 +320,20 @@ def _variant_support_problem(c: _Call) -> str:
                 "the window), not with Transformer Engine's p2p ring"
             )
         return ""
-    return _lse_kernel_problem(o, wants[0])
+    return _lse_kernel_problem(c, wants[0])
 
 
-def _lse_kernel_problem(o, want: str) -> str:
+def _lse_kernel_problem(c: _Call, want: str) -> str:
     """backend='sdpa' with a variant: the tiled log-sum-exp kernel's limits."""
-    if o.get("dropout_p"):
-        return f"dropout_p={o['dropout_p']} does not combine with {want} (backend='sdpa'): set dropout_p=0"
-    bias = o.get("attention_bias")
+    if c.opts.dropout_p:
+        return f"dropout_p={c.opts.dropout_p} does not combine with {want} (backend='sdpa'): set dropout_p=0"
+    bias = c.t.attention_bias
     if isinstance(bias, torch.Tensor) and bias.requires_grad:
         return (
             f"attention_bias requires grad, but with {want} the kernel treats the bias as a constant: "
             "pass attention_bias.detach()"
         )
-    if o.get("seqlens") is not None:
+    if c.t.seqlens is not None:
         return (
             f"{want} does not combine with padding between packed documents (seqlens / "
             "cu_seqlens_q_padded) on backend='sdpa': pack documents tight (cu_seqlens only)"
@@ -339,17 +343,17 @@ def _lse_kernel_problem(o, want: str) -> str:
 
 def _packing_flags_problem(c: _Call) -> str:
     """Packed sequences asked for consistently (Megatron's record, cu_seqlens, the layout)."""
-    o, cu = c.o, c.o.get("cu_seqlens")
-    if o.get("qkv_format") not in (None, "thd"):
-        return f"packed_seq_params.qkv_format={o['qkv_format']!r}: packed sequences are supported in 'thd' format only"
-    if o.get("qkv_format") == "thd" and cu is None:
+    fmt, cu = c.t.qkv_format, c.t.cu_seqlens
+    if fmt not in (None, "thd"):
+        return f"packed_seq_params.qkv_format={fmt!r}: packed sequences are supported in 'thd' format only"
+    if fmt == "thd" and cu is None:
         return (
             "packed_seq_params needs cu_seqlens_q (global document boundaries of the packed stream); build it "
             "with ulysses_mcore.megatron.batch.packed_seq_params()"
         )
     if cu is not None and not c.thd:
         return f"cu_seqlens is given but layout={c.layout!r}: pass layout='thd' for packed sequences"
-    if not c.thd and o["token_order"] == "per_document":
+    if not c.thd and c.opts.token_order == "per_document":
         return "token_order='per_document' is for packed input (layout='thd' with cu_seqlens)"
     if c.thd and cu is None:
         return "layout='thd' needs cu_seqlens (the global document boundaries of the packed stream)"
@@ -362,7 +366,7 @@ def _boundaries_problem(c: _Call) -> str:
     """The packed stream's document boundaries (``cu_seqlens``, ``cu_seqlens_kv``)."""
     if not c.thd:
         return ""
-    o, cu = c.o, c.o["cu_seqlens"]
+    cu = c.t.cu_seqlens
     vals = _int_list(cu)
     if vals is None or len(vals) < 2:
         return "cu_seqlens must be a 1-D integer tensor [documents + 1]"
@@ -380,7 +384,7 @@ def _boundaries_problem(c: _Call) -> str:
             f"{c.degree * c.ring} ranks): cu_seqlens must cover the whole global stream; pad the stream to a "
             "multiple of the degree with a last document"
         )
-    kv = o.get("cu_seqlens_kv")
+    kv = c.t.cu_seqlens_kv
     if kv is not None and kv is not cu and _int_list(kv) != vals:
         return (
             "cu_seqlens_kv must equal cu_seqlens_q for self-attention; build the batch with "
@@ -391,10 +395,10 @@ def _boundaries_problem(c: _Call) -> str:
 
 def _seqlens_problem(c: _Call) -> str:
     """Real document lengths inside padded slots (``seqlens``), against the boundaries."""
-    if not c.thd or c.o.get("seqlens") is None:
+    if not c.thd or c.t.seqlens is None:
         return ""
-    vals = _int_list(c.o["cu_seqlens"])
-    real = _int_list(c.o["seqlens"])
+    vals = _int_list(c.t.cu_seqlens)
+    real = _int_list(c.t.seqlens)
     if real is None or len(real) != len(vals) - 1:
         return f"seqlens (real document lengths) must be a 1-D integer tensor of {len(vals) - 1} entries"
     if not (_known(vals) and _known(real)):
@@ -405,7 +409,7 @@ def _seqlens_problem(c: _Call) -> str:
 
 
 def _per_document_problem(c: _Call) -> str:
-    if not c.thd or c.o["token_order"] != "per_document":
+    if not c.thd or c.opts.token_order != "per_document":
         return ""
     need = 2 * c.degree * c.ring
     if c.ring > 1:
@@ -413,7 +417,7 @@ def _per_document_problem(c: _Call) -> str:
             "token_order='per_document' (Transformer Engine's THD layout) does not combine with a ring: "
             "shard the packed stream with token_order='load_balanced' instead"
         )
-    vals = _int_list(c.o["cu_seqlens"])
+    vals = _int_list(c.t.cu_seqlens)
     if _known(vals) and any((b - a) % need for a, b in zip(vals, vals[1:])):
         return (
             f"token_order='per_document' deals every document out in {need} chunks, so every (padded) "
@@ -441,9 +445,8 @@ _LOCAL_CHECKS = (
 )
 
 
-def _local_problem(q, k, v, o: Dict[str, Any], degree: int, ring: int) -> str:
+def _local_problem(call: _Call) -> str:
     """What is wrong with this rank's inputs alone ("" if nothing): the first problem of the checks."""
-    call = _Call(q, k, v, o, degree, ring)
     for check in _LOCAL_CHECKS:
         problem = check(call)
         if problem:
@@ -452,28 +455,29 @@ def _local_problem(q, k, v, o: Dict[str, Any], degree: int, ring: int) -> str:
 
 
 def _ring_problem(r: CallRecord) -> str:
+    o, bias = r.options, r.data["attention_bias"]
     if r.ring <= 1:
         return ""
-    if r.backend not in ("sdpa", "te"):
+    if o.backend not in ("sdpa", "te"):
         return (
             f"a ring (ring_group of {r.ring} ranks, --context-parallel-size) runs with backend='sdpa' (the "
-            f"log-sum-exp ring) or 'te' (Transformer Engine's p2p ring); got backend={r.backend!r}"
+            f"log-sum-exp ring) or 'te' (Transformer Engine's p2p ring); got backend={o.backend!r}"
         )
-    if r.dropout_p:
+    if o.dropout_p:
         return (
             f"attention dropout is not supported with a ring (ring_group of {r.ring} ranks): set --attention-dropout 0"
         )
-    if r.bias is not None and r.bias.requires_grad:
+    if bias is not None and bias.requires_grad:
         return (
             "attention_bias requires grad, but the ring treats the bias as a constant: pass "
             "attention_bias.detach() or use --context-parallel-size 1"
         )
-    if r.seqlens is not None:
+    if r.data["seqlens"] is not None:
         return (
             "packed documents with padding between them (cu_seqlens_q != cu_seqlens_q_padded) cannot run with "
             "a ring: build the batch with ulysses_mcore.megatron.batch.pack_batch + shard_batch"
         )
-    if r.backend == "te" and (r.layout == "thd" or r.mask is not None or r.bias is not None):
+    if o.backend == "te" and (o.layout == "thd" or r.data["attention_mask"] is not None or bias is not None):
         return (
             "backend='te' with a ring takes causal / no-mask unpacked input only: use backend='sdpa' for "
             "masks, bias or packed sequences with a ring"
@@ -481,34 +485,35 @@ def _ring_problem(r: CallRecord) -> str:
     return ""
 
 
-def describe(query, key, value, *, degree: int = 1, ring: int = 1, **opts) -> CallRecord:
-    """This rank's record.  Never raises: a problem is written into the record."""
+def _recorded(kind: str, t, problem: str):
+    if kind == "sig":
+        return TensorSig.of(t)
+    return None if problem else _int_list(t)
+
+
+def call_record(qkv, site: CallSite, tensors: CallTensors = NO_TENSORS, sizes=(1, 1)) -> CallRecord:
+    """This rank's record of a call (``sizes``: Ulysses degree, ring size).  Never raises: a
+    problem is written into the record."""
+    call = _Call(qkv, site, tensors, sizes)
     try:
-        problem = _local_problem(query, key, value, opts, degree, ring)
+        problem = _local_problem(call)
     except Exception as ex:  # noqa: BLE001 - whatever it is, every rank must hear of it
         problem = f"invalid input ({type(ex).__name__}: {ex})"
-    o = opts
+    o = site.options
+    compared = replace(
+        o,
+        layout=str(o.layout),
+        backend=_backend_name(o.backend),
+        token_order=str(o.token_order),
+        window_size=tuple(o.window_size) if has_window(o.window_size) and not problem else None,
+    )
     rec = CallRecord(
-        problem=problem,
-        layout=str(o["layout"]),
-        backend=_backend_name(o["backend"]),
-        causal=o["causal"],
-        query=TensorSig.of(query),
-        key=TensorSig.of(key),
-        value=TensorSig.of(value),
-        mask=TensorSig.of(o.get("attention_mask")),
-        bias=TensorSig.of(o.get("attention_bias")),
-        softmax_scale=o["softmax_scale"],
-        dropout_p=o["dropout_p"],
-        token_order=str(o["token_order"]),
-        overlap_chunks=o["overlap_chunks"],
-        degree=degree,
-        ring=ring,
-        cu_seqlens=None if problem else _int_list(o.get("cu_seqlens")),
-        seqlens=None if problem else _int_list(o.get("seqlens")),
-        window_size=tuple(o["window_size"]) if has_window(o.get("window_size")) and not problem else None,
-        softmax_offset=TensorSig.of(o.get("softmax_offset")),
-        return_lse=o.get("return_lse", False),
+        problem,
+        compared,
+        *(TensorSig.of(t) for t in qkv),
+        degree=sizes[0],
+        ring=sizes[1],
+        data={name: _recorded(kind, getattr(tensors, name), problem) for name, kind, _ in _DATA},
     )
     if not problem:
         problem = _ring_problem(rec) or _full_sequence_problem(rec)
@@ -518,16 +523,17 @@ def describe(query, key, value, *, degree: int = 1, ring: int = 1, **opts) -> Ca
 
 
 def _full_sequence_problem(r: CallRecord) -> str:
-    sdim = seq_dim(r.layout)
+    sdim = seq_dim(r.options.layout)
     seq = r.query.shape[sdim] * r.degree * r.ring
-    b = 1 if r.layout == "thd" else r.query.shape[1 - sdim]
+    b = 1 if r.options.layout == "thd" else r.query.shape[1 - sdim]
     heads = r.query.shape[-2]
-    if r.token_order == "load_balanced" and r.query.shape[sdim] % 2:
+    if r.options.token_order == "load_balanced" and r.query.shape[sdim] % 2:
         return (
             f"token_order='load_balanced' holds 2 chunks per rank, so the tokens per rank must be even; there "
             f"are {r.query.shape[sdim]}: make the sequence a multiple of {2 * r.degree * r.ring}"
         )
-    for name, s in (("attention_mask", r.mask), ("attention_bias", r.bias)):
+    for name in ("attention_mask", "attention_bias"):
+        s = r.data[name]
         if s is None:
             continue
         shp = list(s.shape)
@@ -541,35 +547,34 @@ def _full_sequence_problem(r: CallRecord) -> str:
 
 # ----------------------------------------------------------------------------- all ranks
 def _tokens(r: CallRecord) -> int:
-    return r.query.shape[seq_dim(r.layout)]
+    return r.query.shape[seq_dim(r.options.layout)]
 
 
-_AGREE = [  # (what the message calls it, the value compared)
-    ("layout", lambda r: r.layout),
-    (
-        "tokens per rank (the sequence must be split evenly: pad it to a multiple of the degree with masked tokens)",
-        _tokens,
-    ),
-    ("query shape", lambda r: list(r.query.shape)),
-    ("key/value shape", lambda r: list(r.key.shape)),
-    ("dtype", lambda r: r.query.dtype),
-    ("device", lambda r: r.query.device),
-    ("causal", lambda r: r.causal),
-    ("softmax_scale", lambda r: r.softmax_scale),
-    ("dropout_p", lambda r: r.dropout_p),
-    ("attention_mask (presence, shape, dtype)", lambda r: r.mask),
-    ("attention_bias (presence, shape, dtype, requires_grad)", lambda r: r.bias),
-    ("token_order", lambda r: r.token_order),
-    ("overlap_chunks", lambda r: r.overlap_chunks),
-    ("backend", lambda r: r.backend),
-    ("Ulysses degree", lambda r: r.degree),
-    ("ring size", lambda r: r.ring),
-    ("cu_seqlens (the global document boundaries must be identical on every rank)", lambda r: r.cu_seqlens),
-    ("seqlens (real document lengths must be identical on every rank)", lambda r: r.seqlens),
-    ("window_size", lambda r: r.window_size),
-    ("softmax_offset (presence, shape, dtype, requires_grad)", lambda r: r.softmax_offset),
-    ("return_lse", lambda r: r.return_lse),
-]
+def _option(name: str):
+    return lambda r: getattr(r.options, name)
+
+
+def _datum(name: str):
+    return lambda r: r.data[name]
+
+
+_AGREE = (  # (what the message calls it, the value compared), in the order they are reported
+    [
+        ("layout", _option("layout")),
+        (
+            "tokens per rank (the sequence must be split evenly: pad it to a multiple of the degree with masked "
+            "tokens)",
+            _tokens,
+        ),
+        ("query shape", lambda r: list(r.query.shape)),
+        ("key/value shape", lambda r: list(r.key.shape)),
+        ("dtype", lambda r: r.query.dtype),
+        ("device", lambda r: r.query.device),
+    ]
+    + [(f.name, _option(f.name)) for f in fields(AttentionOptions) if f.name != "layout"]
+    + [("Ulysses degree", lambda r: r.degree), ("ring size", lambda r: r.ring)]
+    + [(what, _datum(name)) for name, _, what in _DATA]
+)
 
 
 def verdict(records: Sequence[CallRecord], degree: int) -> Optional[str]:
@@ -607,31 +612,19 @@ def is_fake_group(group) -> bool:
     return dist.get_backend(group) == "fake"
 
 
-def check_call(
-    query,
-    key,
-    value,
-    opts: AttentionOptions,
-    tensors: Dict[str, Any],
-    extra: Dict[str, Any],
-    group,
-    ring_group,
-    degree: int,
-    ring: int,
-) -> None:
+def check_call(qkv, site: CallSite, tensors: CallTensors = NO_TENSORS) -> None:
     """Raise the same ``ValueError`` on every rank of the Ulysses (x ring) group, or none: this
-    rank's record, every rank's records (one ``all_gather_object``, two with a ring), one verdict.
-    ``extra``: the caller's own checks (``expected_heads``, ``qkv_format``, ``cu_seqlens_kv``)."""
-    fields = {name: getattr(opts, name) for name in AttentionOptions.__dataclass_fields__}
-    rec = describe(query, key, value, degree=degree, ring=ring, **fields, **tensors, **extra)
-    records = [rec]
+    rank's record, every rank's records (one ``all_gather_object``, two with a ring), one verdict."""
+    degree = 1 if site.group is None else dist.get_world_size(site.group)
+    ring = 1 if site.ring_group is None else dist.get_world_size(site.ring_group)
+    records = [call_record(qkv, site, tensors, (degree, ring))]
     if degree > 1:
-        records = exchange(rec, group)
+        records = exchange(records[0], site.group)
     if ring > 1:  # every rank of the sample group sees every record: one verdict everywhere
-        records = [r for block in exchange(records, ring_group) for r in block]
+        records = [r for block in exchange(records, site.ring_group) for r in block]
     problem = verdict(records, degree)
     if problem:
         raise ValueError(f"ulysses_attention: {problem}")
 
 
-__all__ = ["CallRecord", "TensorSig", "check_call", "describe", "verdict", "TOKEN_ORDERS"]
+__all__ = ["CallRecord", "TensorSig", "call_record", "check_call", "verdict", "TOKEN_ORDERS"]

@@ -16,8 +16,9 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from .. import state
 from ..topology import Topology
+
+_BUILT: dict = {}  # the Topology initialize() (or the Megatron-LM patches) built, for get_topology()
 
 
 def initialize(
@@ -54,7 +55,9 @@ def initialize(
     if ps.model_parallel_is_initialized():
         destroy()
     before = set(_live_groups())
-    hier = [ulysses, cp] if (ulysses > 1 and cp > 1) else None
+    # a ring gets Megatron's two hierarchical levels (Ulysses inner, [1, cp] for a ring alone), so the
+    # layers find both groups in Megatron's own pg_collection (module.sequence_groups)
+    hier = [ulysses, cp] if cp > 1 else None
     ps.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
@@ -71,7 +74,7 @@ def initialize(
     rank = dist.get_rank()
     _verify(topo, rank, ulysses_group, ring)
 
-    state.register(ulysses_group, ring, topo)
+    remember(topo)
     _CREATED[:] = [g for g in _live_groups() if g not in before]
     if verbose and rank == 0:
         print(
@@ -85,16 +88,19 @@ def initialize(
 
 def sequence_groups_of_parallel_state(ulysses: int, cp: int):
     """``(ulysses_group, ring_group)`` inside Megatron's initialised context-parallel axis of
-    ``ulysses x cp`` ranks: the whole CP group when only one of them is > 1, else its two
-    hierarchical levels (Ulysses inner).  ``None`` for a degree of 1."""
+    ``ulysses x cp`` ranks: the whole CP group without a ring, else its two hierarchical levels
+    (Ulysses inner).  ``None`` for a degree of 1."""
     from megatron.core import parallel_state as ps
 
-    if ulysses == 1:
-        return None, (ps.get_context_parallel_group() if cp > 1 else None)
     if cp == 1:
-        return ps.get_context_parallel_group(), None
+        return (ps.get_context_parallel_group() if ulysses > 1 else None), None
     ulysses_group, ring = ps.get_hierarchical_context_parallel_groups()[:2]
-    return ulysses_group, ring
+    return (ulysses_group if ulysses > 1 else None), ring
+
+
+def remember(topology) -> None:
+    """Record the layout this process's groups were built for (read back by :func:`get_topology`)."""
+    _BUILT["topology"] = topology
 
 
 def _verify(topo: Topology, rank: int, ulysses_group, ring) -> None:
@@ -131,23 +137,30 @@ def _verify(topo: Topology, rank: int, ulysses_group, ring) -> None:
 
 
 def get_topology() -> Topology:
-    topo = state.get_topology()
+    topo = _BUILT.get("topology")
     if topo is None:
         raise RuntimeError(
-            "no topology registered: call ulysses_mcore.initialize(...) first (or run under "
-            "megatron_patches, which registers Megatron-LM's)"
+            "no topology built: call ulysses_mcore.initialize(...) first (or run under "
+            "megatron_patches, which records Megatron-LM's)"
         )
     return topo
 
 
 def get_ulysses_group():
     """The Ulysses all-to-all group of this rank (``None`` when the degree is 1)."""
-    return state.get_ulysses_group()
+    return _sequence_groups()[0]
 
 
 def get_ring_group():
     """The ring context-parallel group of this rank (``None`` when cp == 1)."""
-    return state.get_ring_group()
+    return _sequence_groups()[1]
+
+
+def _sequence_groups():
+    topo = _BUILT.get("topology")
+    if topo is None:
+        return None, None
+    return sequence_groups_of_parallel_state(topo.ulysses, topo.cp)
 
 
 def get_tensor_parallel_group():
@@ -190,17 +203,11 @@ def get_embedding_group():
 
 
 def get_pg_collection():
-    """A Megatron ``ProcessGroupCollection`` of the current groups, with ``ulysses`` and
-    ``ring_cp`` attributes added for modules that take one."""
-    reg = state.registry()
-    if reg.pg_collection is None:
-        from megatron.core.process_groups_config import ProcessGroupCollection
+    """Megatron's ``ProcessGroupCollection`` of the current groups (its context-parallel group is
+    Ulysses x ring, its ``hcp`` the two levels when there is a ring)."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
 
-        pgc = ProcessGroupCollection.use_mpu_process_groups()
-        pgc.ulysses = reg.ulysses_group
-        pgc.ring_cp = reg.ring_group
-        reg.pg_collection = pgc
-    return reg.pg_collection
+    return ProcessGroupCollection.use_mpu_process_groups()
 
 
 _CREATED: list = []  # the process groups initialize() made (destroy() destroys exactly these)
@@ -226,7 +233,7 @@ def destroy() -> None:
         if g in live:
             dist.destroy_process_group(g)
     _CREATED.clear()
-    state.clear()
+    _BUILT.clear()
 
 
 def ulysses_rank() -> int:

@@ -2,11 +2,12 @@
 
 Builder keywords and forward signature are Megatron's, so it goes into a layer spec in place of
 ``DotProductAttention`` / ``TEDotProductAttention`` (:mod:`ulysses_mcore.megatron.specs`).  The
-groups come from Megatron's ``pg_collection`` when Megatron passes one (its context-parallel
-group, or the two levels of its hierarchical one), else from the one registry
-(:mod:`ulysses_mcore.state`) that :func:`ulysses_mcore.initialize` and the Megatron-LM patches
-fill.  Validation runs once per input signature (each instance has a :class:`~ulysses_mcore.call.CallCache`
-that prepares each signature once); in steady state a forward is two all-to-alls and nothing else.
+groups are given, one way each: by the caller (``ulysses_group`` / ``ring_group``), or by
+Megatron -- the ``pg_collection`` it hands the layer (parallel_state's when it hands none): its
+context-parallel group, split into its two hierarchical levels when the config's
+``hierarchical_context_parallel_sizes`` names two (:func:`sequence_groups`).  Validation runs
+once per input signature (each instance has a :class:`~ulysses_mcore.call.CallCache` that
+prepares each signature once); in steady state a forward is two all-to-alls and nothing else.
 """
 
 from __future__ import annotations
@@ -21,11 +22,10 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import is_layer_window_attention
 
-from .. import state
-from ..call import NO_TENSORS, CallCache, CallTensors
+from ..call import CallCache
 from ..backends import Kernel
 from ..exchange import head_layout_error
-from ..options import attention_options
+from ..options import NO_TENSORS, CallSite, CallTensors, attention_options
 from ..orders import LastOf
 from ..planning.placement import powers_of_two
 
@@ -34,36 +34,49 @@ def _size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-def resolve_groups(config, pg_collection, ulysses_group=None, ring_group=None):
-    """``(ulysses_group, ring_group)`` for a module: explicit arguments first; then Megatron's
-    ``pg_collection`` (``ulysses``/``ring_cp`` attributes when it carries them, else its
-    context-parallel group -- split into its hierarchical levels ``[ulysses, ring]`` when
-    ``config.hierarchical_context_parallel_sizes`` has two); then the registry."""
+def _or_none(group):
+    """A group of one rank is no group (degree 1)."""
+    return None if _size(group) == 1 else group
+
+
+def _mpu_collection():
+    """Megatron's collection of parallel_state's groups (for a module built without one), or
+    ``None`` before parallel_state is initialised."""
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    return ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp", "hcp"])
+
+
+def sequence_groups(config, pg_collection):
+    """``(ulysses_group, ring_group)`` in Megatron's context-parallel axis as its config splits it:
+    ``config.hierarchical_context_parallel_sizes = [ulysses, ring]`` -> the collection's two
+    hierarchical levels (``pg_collection.hcp``, Ulysses inner); without two levels the whole
+    context-parallel group is Ulysses.  ``None`` for a level of one rank."""
+    if pg_collection is None:
+        return None, None
+    levels = list(getattr(config, "hierarchical_context_parallel_sizes", None) or [])
+    if len(levels) != 2:
+        return _or_none(pg_collection.cp), None
+    hcp = list(getattr(pg_collection, "hcp", None) or [])[:2]
+    sizes = [_size(g) for g in hcp]
+    if sizes != levels:
+        raise ValueError(
+            f"config.hierarchical_context_parallel_sizes={levels} (ulysses, ring) but Megatron's "
+            f"pg_collection.hcp has {'levels of ' + str(sizes) if sizes else 'no levels'}: initialise "
+            f"parallel_state with hierarchical_context_parallel_sizes={levels} (ulysses_mcore.initialize does)"
+        )
+    return _or_none(hcp[0]), _or_none(hcp[1])
+
+
+def _given_groups(config, pg_collection, ulysses_group, ring_group):
+    """The caller's groups when it gives any; else Megatron's: the collection it hands the layer,
+    else parallel_state's."""
     if ulysses_group is not None or ring_group is not None:
         return ulysses_group, ring_group
-    reg = state.registry()
-    if pg_collection is not None and hasattr(pg_collection, "ulysses"):
-        return pg_collection.ulysses, getattr(pg_collection, "ring_cp", None)
-    cp = getattr(pg_collection, "cp", None) if pg_collection is not None else None
-    if cp is None:
-        return reg.ulysses_group, reg.ring_group
-    hier = getattr(config, "hierarchical_context_parallel_sizes", None) or []
-    hcp = getattr(pg_collection, "hcp", None) if len(hier) == 2 and min(hier) > 1 else None
-    if hcp:
-        return hcp[0], hcp[1]
-    return _split_context_parallel(cp, reg)
-
-
-def _split_context_parallel(cp, reg):
-    """Megatron's context-parallel group without its levels: Ulysses, a ring, or both as registered."""
-    if _size(cp) == 1:
-        return None, None
-    if reg.ulysses_group is None and reg.ring_group is not None:  # registered as a ring only
-        return None, cp
-    hybrid = reg.ulysses_group is not None and reg.ring_group is not None
-    if hybrid and _size(cp) == _size(reg.ulysses_group) * _size(reg.ring_group):
-        return reg.ulysses_group, reg.ring_group  # the trainer's GPTModel: its collection carries no levels
-    return cp, None
+    return sequence_groups(config, pg_collection or _mpu_collection())
 
 
 def _host_int(value) -> Optional[int]:
@@ -152,10 +165,11 @@ class UlyssesAttention(MegatronModule):
         tp_group = getattr(pg_collection, "tp", None) if pg_collection is not None else None
         tp, self.tp_rank = _tp_size_and_rank(tp_group)
         self.tp_group = tp_group
-        self.group, self.ring_group = resolve_groups(config, pg_collection, ulysses_group, ring_group)
+        self.group, self.ring_group = _given_groups(config, pg_collection, ulysses_group, ring_group)
         self.degree, self.ring = _size(self.group), _size(self.ring_group)
         self.dynamic = dynamic  # --dynamic-ulysses: each micro-batch brings its group (PackedSeqParams.cp_group)
         self.calls = CallCache()  # this module's prepared (validated) call signatures
+        self._sites: dict = {}  # its call sites (CallSite) by (causal, layout, token order, group, dropout)
         self._check_context_parallel(cp_size)
         self._heads(config, tp, dynamic.max_degree if dynamic else 1)
         # MLA passes k_channels (query/key head dim, for the default scale) and v_channels (value head
@@ -223,7 +237,7 @@ class UlyssesAttention(MegatronModule):
                 f"and --num-query-groups {groups}"
             )
         self.num_q_heads, self.num_kv_heads = heads // tp, groups // tp
-        self.extra_checks = (("expected_heads", (self.num_q_heads, self.num_kv_heads)),)
+        self.checks = (("expected_heads", (self.num_q_heads, self.num_kv_heads)),)
         for d in sorted({self.degree, *powers_of_two(max_degree)}):
             self._head_layout(config, tp, d)
 
@@ -272,41 +286,54 @@ class UlyssesAttention(MegatronModule):
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
         mask = None if mask_type in (AttnMaskType.causal, AttnMaskType.no_mask) or cu is not None else attention_mask
-        opts = attention_options(
-            causal,
-            "thd" if cu is not None else "sbhd",
-            self.backend,
-            self.softmax_scale,
-            self.dropout_p if self.training else 0.0,
-            order,
-            1,
-            self.window_size,
-        )
-        tensors = NO_TENSORS
-        if mask is not None or attention_bias is not None or cu is not None or self.softmax_offset is not None:
-            tensors = CallTensors(mask, attention_bias, cu, lens, self.softmax_offset, max_len)
-        extra = self.extra_checks
-        if packed_seq_params is not None:  # the module's own checks of Megatron's packed-sequence record
-            extra += (("cu_seqlens_kv", cu_kv), ("qkv_format", getattr(packed_seq_params, "qkv_format", None)))
         group = self.group
         if self.dynamic is not None:  # the slot's group, handed over by the trainer with the micro-batch
             group = getattr(packed_seq_params, "cp_group", None)
-        out = self.calls.run(
-            query,
-            key,
-            value,
-            opts,
-            group,
-            self.ring_group,
-            tensors,
-            self.tp_rank * self.num_q_heads,
-            self.check,
-            extra,
-            self.rotary or self.te_attention,
-        )
+        site = self._site(causal, "thd" if cu is not None else "sbhd", order, group)
+        tensors = NO_TENSORS
+        if mask is not None or attention_bias is not None or cu is not None or self.softmax_offset is not None:
+            tensors = CallTensors(
+                attention_mask=mask,
+                attention_bias=attention_bias,
+                cu_seqlens=cu,
+                seqlens=lens,
+                softmax_offset=self.softmax_offset,
+                max_seqlen=max_len,
+            )
+        if packed_seq_params is not None:  # the module's own checks of Megatron's packed-sequence record
+            tensors = tensors._replace(cu_seqlens_kv=cu_kv, qkv_format=getattr(packed_seq_params, "qkv_format", None))
+        out = self.calls.run(query, key, value, site, tensors)
         if cu is not None:
             return out.reshape(out.shape[0], -1)  # [t, h*d]; Megatron adds the batch dim back
         return out.reshape(out.shape[0], out.shape[1], -1)
+
+    def _site(self, causal: bool, layout: str, order: str, group) -> CallSite:
+        """This module's call site for these choices (one record each, made once)."""
+        dropout = self.dropout_p if self.training else 0.0
+        key = (causal, layout, order, group, dropout)
+        site = self._sites.get(key)
+        if site is None:
+            opts = attention_options(
+                causal,
+                layout=layout,
+                backend=self.backend,
+                softmax_scale=self.softmax_scale,
+                dropout_p=dropout,
+                token_order=order,
+                window_size=self.window_size,
+            )
+            kernel = self.rotary or self.te_attention
+            site = CallSite(
+                opts,
+                group=group,
+                ring_group=self.ring_group,
+                first_head=self.tp_rank * self.num_q_heads,
+                checks=self.checks,
+                kernel=kernel,
+                check=self.check,
+            )
+            self._sites[key] = site
+        return site
 
     def _initial_sinks(self, config, heads: int) -> torch.Tensor:
         """The learnable sinks' first values: all ``heads`` drawn from a generator keyed by the layer

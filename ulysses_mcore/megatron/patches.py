@@ -20,8 +20,10 @@ What :func:`apply` does (idempotent; :func:`remove` undoes it):
    then does everything CP needs by itself: its ``get_batch`` slices tokens, labels,
    loss mask and positions in dual-chunk order, RoPE is sliced the same way, DDP reduces
    gradients over ``dp x cp`` and the loss is averaged over the right ranks.
-2. ``parallel_state.initialize_model_parallel`` registers the Ulysses group (the CP group,
-   or its first hierarchical level) for :class:`ulysses_mcore.UlyssesAttention`.
+2. ``parallel_state.initialize_model_parallel`` records the layout (for
+   ``ulysses_mcore.megatron.groups.get_topology``); :class:`ulysses_mcore.UlyssesAttention` takes
+   its groups from the ``pg_collection`` Megatron hands it (the CP group, or its two
+   hierarchical levels as ``hierarchical_context_parallel_sizes`` says).
 3. The GPT layer-spec functions of megatron-core (local, Transformer Engine, decoder
    block) return their usual spec with ``core_attention`` swapped for
    ``UlyssesAttention`` (inner kernel TE when the spec is TE's, else SDPA) -- through
@@ -220,11 +222,9 @@ def _wrap_init(fn):
     @functools.wraps(fn)
     def initialize_model_parallel(*a, **kw):
         out = fn(*a, **kw)
-        from ulysses_mcore import state
-        from ulysses_mcore.megatron.groups import sequence_groups_of_parallel_state
+        from ulysses_mcore.megatron.groups import remember
 
-        ulysses_group, ring_group = sequence_groups_of_parallel_state(max(_STATE["ulysses"], 1), _STATE["cp"])
-        state.register(ulysses_group, ring_group, _topology_of_parallel_state())
+        remember(_topology_of_parallel_state())
         if _STATE["ulysses"] > 1:
             from megatron.core import parallel_state as ps
 

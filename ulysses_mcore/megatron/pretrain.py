@@ -488,15 +488,13 @@ class _Timing:
     def __init__(self, args, model, optimizer, groups=None):
         import json
 
-        from ulysses_mcore import state
-
+        from . import groups as built
         from .timing import StepTimer
 
-        reg = state.registry()
-        a2a = reg.ulysses_group
+        a2a = built.get_ulysses_group()
         if groups is not None:  # --dynamic-ulysses: every degree's groups this rank is in
             a2a = groups.mine()
-        self.timer = StepTimer(a2a, reg.ring_group).install(model, optimizer)
+        self.timer = StepTimer(a2a, built.get_ring_group()).install(model, optimizer)
         os.makedirs(metrics_dir(args), exist_ok=True)
         path = os.path.join(metrics_dir(args), f"timing_rank{dist.get_rank()}.jsonl")
         self.fh = open(path, "a" if args.load else "w")  # a resumed run continues the file

@@ -18,17 +18,28 @@ from .loss import check_config, global_mean, masked_token_loss
 from .specs import get_ulysses_layer_spec
 
 
+def _cp_levels():
+    """``[ulysses, ring]`` of the layout :func:`ulysses_mcore.initialize` built, when it has a ring."""
+    from .groups import _BUILT
+
+    topo = _BUILT.get("topology")
+    return [topo.ulysses, topo.cp] if topo is not None and topo.cp > 1 else None
+
+
 def gpt_config(**kw):
     """A ``TransformerConfig`` with the settings sequence-sharded training needs.
 
     ``context_parallel_size`` is Megatron's CP size = ulysses x ring cp (from the
-    initialised topology unless given); token-weighted loss is on."""
+    initialised topology unless given), ``hierarchical_context_parallel_sizes`` its levels
+    ``[ulysses, ring]`` when there is a ring (the layers split Megatron's CP group by them);
+    token-weighted loss is on."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     kw.setdefault("tensor_model_parallel_size", ps.get_tensor_model_parallel_world_size())
     kw.setdefault("pipeline_model_parallel_size", ps.get_pipeline_model_parallel_world_size())
     kw.setdefault("context_parallel_size", ps.get_context_parallel_world_size())
+    kw.setdefault("hierarchical_context_parallel_sizes", _cp_levels())
     kw.setdefault("calculate_per_token_loss", True)
     kw.setdefault("use_cpu_initialization", not torch.cuda.is_available())
     kw.setdefault("hidden_dropout", 0.0)
