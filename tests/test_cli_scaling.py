@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from ulysses_mcore.cli import scaling
+from ulysses_mcore.megatron.arguments import layout_problem
 from ulysses_mcore.planning.step_time import Layout, Run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -79,7 +80,7 @@ def test_megatron_lm_sweeps_skip_rings_with_the_reason():
     the reason instead of failing the sweep; on a GPU they stay."""
     from ulysses_mcore.planning.step_time import enumerate_layouts
 
-    layouts, _ = enumerate_layouts(4, Run("tiny", 512, 1, 4))
+    layouts, _ = enumerate_layouts(4, Run("tiny", 512, 1, 4), accepts=layout_problem)
     assert any(lay.cp > 1 for lay in layouts)
     dropped = {}
     kept = scaling.runnable_by_megatron_lm(layouts, dropped, on_gpu=False)

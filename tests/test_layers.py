@@ -84,6 +84,31 @@ def test_no_import_cycles():
             visit(m)
 
 
+def _external_imports(path):
+    """Top-level names of the absolute imports in a file (anywhere in it)."""
+    import ast
+
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names.add((node.module or "").split(".")[0])
+    return names
+
+
+def test_planning_imports_nothing_above_it():
+    """planning is arithmetic: no torch, no Megatron, nothing of the package outside planning (the
+    CLI hands it the trainer's verdict on a layout: ``enumerate_layouts(accepts=...)``)."""
+    graph = _package_imports()
+    for mod, deps in graph.items():
+        if mod.startswith("ulysses_mcore.planning."):
+            outside = {d for d in deps if not d.startswith("ulysses_mcore.planning")}
+            assert not outside, f"{mod} imports {sorted(outside)}"
+            path = ROOT / (mod.replace(".", "/") + ".py")
+            assert not _external_imports(path) & {"torch", "megatron", "ulysses_mcore"}, mod
+
+
 SIZE_BOUNDS = dict(
     nloc=60, ccn=15
 )  # per function: lines of code (docstrings and comments aside), cyclomatic complexity

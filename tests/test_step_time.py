@@ -4,6 +4,7 @@ cross, and a fit that recovers known rates."""
 
 import pytest
 
+from ulysses_mcore.megatron.arguments import layout_problem
 from ulysses_mcore.planning.step_time import Layout, Run, crosses_nodes, enumerate_layouts, features, fit, predict
 from ulysses_mcore.topology import Topology, TopologyError
 
@@ -15,7 +16,7 @@ def test_every_emitted_layout_constructs_and_no_dropped_one_would(world):
     import itertools
 
     run = Run("tiny", seq_length=512, global_batch_size=8)
-    keep, dropped = enumerate_layouts(world, run)
+    keep, dropped = enumerate_layouts(world, run, accepts=layout_problem)
     divs = [d for d in range(1, world + 1) if world % d == 0]
     runnable = set()
     for tp, u, cp, pp in itertools.product(divs, divs, divs, divs):
@@ -38,7 +39,7 @@ def test_budget_prunes_and_nothing_fitting_is_an_error():
     run = Run(
         "llama8b", seq_length=131072, global_batch_size=8, bf16=True, recompute="full", distributed_optimizer=True
     )
-    keep, dropped = enumerate_layouts(8, run, budget_gb=141)
+    keep, dropped = enumerate_layouts(8, run, budget_gb=141, accepts=layout_problem)
     assert keep and any("--budget-gb 141" in why for why in dropped.values())
     with pytest.raises(
         ValueError, match="no layout of 8 ranks runs llama8b at --seq-length 1048576 within --budget-gb 1"
@@ -56,7 +57,7 @@ def test_links_follow_the_rank_order():
 def test_fit_recovers_known_rates():
     """Rows made from known rates (plus nothing else) give those rates back, and predictions equal."""
     run = Run("tiny", 512, 1, 8)
-    keep, _ = enumerate_layouts(4, run)
+    keep, _ = enumerate_layouts(4, run, accepts=layout_problem)
     from ulysses_mcore.planning.step_time import PHASE_TERMS
 
     true = {

@@ -35,9 +35,10 @@ import subprocess
 import sys
 import time
 
-from ..flags import explain
 from typing import List
 
+from ..flags import explain
+from ..megatron.arguments import layout_problem
 from ..planning.step_time import (
     MODELS,
     PRESETS,
@@ -256,7 +257,7 @@ def runnable_by_megatron_lm(layouts, dropped: dict, on_gpu: bool):
 def cmd_sweep(a) -> int:
     run = Run(a.model, a.seq_length, a.micro_batch_size, a.global_batch_size)
     try:
-        layouts, dropped = enumerate_layouts(a.world, run, a.budget_gb)
+        layouts, dropped = enumerate_layouts(a.world, run, a.budget_gb, accepts=layout_problem)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     if a.megatron_lm:  # skipped with the reason, not a failed sweep
@@ -395,7 +396,7 @@ def best_layouts(preset_name: str, model: str, seq: int, gpus: int, global_batch
     preset = PRESETS[preset_name]
     run = Run(model, seq, 1, global_batch, bf16=True, recompute="full", distributed_optimizer=True)
     try:
-        layouts, _ = enumerate_layouts(gpus, run, preset["memory_gb"])
+        layouts, _ = enumerate_layouts(gpus, run, preset["memory_gb"], accepts=layout_problem)
     except ValueError:
         return [], 0
     rates = gpu_rates(preset)

@@ -541,6 +541,15 @@ def calibration_problem(path: str):
     return None
 
 
+def layout_problem(flags, world_size: int) -> str:
+    """Why the trainer refuses these flags at this world size ("" when it accepts them)."""
+    try:
+        validate(build_parser().parse_args(flags), world_size)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
 def validate(args, world_size: int):
     """Every check that needs no collective; raises ValueError naming the flag and the fix.
     Ranges first (a 0 must not reach a modulo), then the layout, then the flags against each other."""

@@ -20,6 +20,7 @@ out:
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass
@@ -28,7 +29,16 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 
+from megatron.core import parallel_state as ps
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.packed_seq_params import PackedSeqParams
+
+from ..agreement import agree, digest
 from ..planning.placement import Cell, Costs, Schedule, place, powers_of_two
+from ..planning.step_time import PRESETS, gpu_rates
+from .arguments import padded_vocab
+from .batch import document_positions, pack_batch
 
 
 @dataclass(frozen=True)
@@ -45,8 +55,6 @@ class RotaryKernel:
     in its document (``cu_seqlens`` of the full stream the exchange delivered: no host read)."""
 
     def __init__(self, inner, config):
-        from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-
         self.inner, self.config = inner, config
         self.rotary = RotaryEmbedding(
             kv_channels=config.kv_channels,
@@ -56,15 +64,12 @@ class RotaryKernel:
         )
 
     def __call__(self, q, k, v, *, cu_seqlens=None, **kw):
-        from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
-
-        from .batch import document_positions
-
         total = q.shape[0]
         freqs = self.rotary(total, packed_seq=True)[document_positions(cu_seqlens, total)]
-        rot = dict(rotary_interleaved=self.config.rotary_interleaved)
-        q = _apply_rotary_pos_emb_bshd(q, freqs, **rot)
-        k = _apply_rotary_pos_emb_bshd(k, freqs, **rot)
+        # Megatron's public RoPE with one frequency row per token (its [s, b, h, d] path); the group
+        # is read only by its fused packed-sequence path, which a per-token table never takes
+        q = apply_rotary_pos_emb(q, freqs, self.config, cp_group=dist.group.WORLD)
+        k = apply_rotary_pos_emb(k, freqs, self.config, cp_group=dist.group.WORLD)
         return self.inner(q, k, v, cu_seqlens=cu_seqlens, **kw)
 
 
@@ -117,7 +122,6 @@ class DynamicBatches:
     def microbatches(self, samples: List[Dict[str, torch.Tensor]]) -> List[Dict]:
         """``samples``: the global batch as micro-batches ``[mbs, s]`` (every rank the same, in the
         fixed degree's order); returns this rank's cells as packed micro-batches, in slot order."""
-        from .batch import pack_batch
 
         whole = {k: torch.cat([mb[k] for mb in samples]) for k in SEQ}
         stream = pack_batch(whole, self.eod, reset_positions=self.reset_positions)
@@ -132,7 +136,7 @@ class DynamicBatches:
             costs=self.costs,
             bucket=self.bucket,
         )
-        self.last = describe(schedule, lengths, time.perf_counter() - t0)
+        self.last = placement_report(schedule, lengths, time.perf_counter() - t0)
         self._agree(lengths)
         idle = [r for r in range(self.groups.ranks) if not schedule.cells_of(r)]
         if idle:  # every rank computed the same schedule: the same error everywhere, before any cell runs
@@ -145,9 +149,6 @@ class DynamicBatches:
     def _agree(self, lengths) -> None:
         """One all-reduce a step over the ranks that share this placement: they must have read the same
         documents (else their cells' shapes differ and an all-to-all would abort the process)."""
-        from megatron.core import parallel_state as ps
-
-        from ..agreement import agree, digest
 
         if not agree(digest(tuple(lengths)), ps.get_data_parallel_group()):
             raise ValueError(
@@ -158,7 +159,6 @@ class DynamicBatches:
 
     def _cell(self, stream, cu, lengths, cell: Cell) -> Dict:
         """This rank's contiguous share of ``cell``'s packed stream (its documents, then one pad document)."""
-        from megatron.core.packed_seq_params import PackedSeqParams
 
         pieces = [torch.arange(cu[i], cu[i + 1]) for i in cell.docs]
         index = torch.cat(pieces)
@@ -189,7 +189,7 @@ def _cumsum(xs):
         yield total
 
 
-def describe(schedule: Schedule, lengths: List[int], seconds: float) -> Dict:
+def placement_report(schedule: Schedule, lengths: List[int], seconds: float) -> Dict:
     """What a schedule does: slots, documents per degree, tokens through an all-to-all (pad
     included) against the fixed degree's (all of them), the cost model's busiest / mean rank."""
     per_degree: Dict[int, int] = {}
@@ -221,10 +221,6 @@ def costs_of(args) -> Costs:
     """The placement's cost model for the run's model: the rates of ``--dynamic-calibration FILE``
     (``ulysses-mcore fit``'s ``fit.json``), else the project's CPU fit on a CPU and the H200 preset
     on a GPU (``ulysses-mcore predict``'s)."""
-    import json
-
-    from ..planning.step_time import PRESETS, gpu_rates
-    from .arguments import padded_vocab
 
     model = dict(
         hidden_size=args.hidden_size,

@@ -241,7 +241,7 @@ def ulysses_rank() -> int:
     return 0 if g is None else dist.get_rank(g)
 
 
-def describe_local() -> str:
+def rank_groups() -> str:
     """This rank's groups, for debugging."""
     topo = get_topology()
     r = dist.get_rank()
@@ -262,5 +262,5 @@ __all__ = [
     "get_embedding_group",
     "get_pg_collection",
     "ulysses_rank",
-    "describe_local",
+    "rank_groups",
 ]

@@ -35,7 +35,7 @@ from .checkpoint import inspect_checkpoint, load_checkpoint, save_checkpoint, sc
 
 # ------------------------------------------------------------------------ main
 def main(argv=None):
-    run = Run()
+    run = RunState()
     args = build_parser(__doc__).parse_args(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
@@ -109,7 +109,7 @@ def _release(run) -> None:
     dist.destroy_process_group()
 
 
-class Run:
+class RunState:
     """One run's state: when it started, whether SIGTERM came, the iteration reached (for the
     error message of a failure), and the parts the steps below build and advance."""
 
@@ -121,7 +121,7 @@ class Run:
         self.consumed = 0
 
 
-def train(args, topo, use_cuda, run: Run):
+def train(args, topo, use_cuda, run: RunState):
     """Megatron-LM's pretraining loop in named steps: start-up, data, model, resume, then
     iterations (train step, log, evaluate, save, exit checks)."""
     run.groups = _initialize(args, topo)
@@ -585,7 +585,7 @@ def _evaluate(args, run, data, model, log):
         log.row(run.iteration, run.consumed, f"{val:.8e}", "", "", "", "", "", "valid")
 
 
-def _exit_reason(args, run: Run):
+def _exit_reason(args, run: RunState):
     """Megatron-LM's exits, agreed by every rank: SIGTERM seen by any rank (--exit-signal-handler),
     time up on any rank (--exit-duration-in-mins): one all-reduce per iteration, only with those
     flags; --exit-interval needs none."""

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -157,20 +157,21 @@ def _divisors(n: int) -> List[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def enumerate_layouts(world: int, run: Run, budget_gb: Optional[float] = None) -> Tuple[List[Layout], Dict]:
-    """(the layouts the trainer accepts and the budget holds, {dropped layout name: reason})."""
-    from ulysses_mcore.megatron.arguments import build_parser, validate
-
+def enumerate_layouts(
+    world: int, run: Run, budget_gb: Optional[float] = None, *, accepts: Optional[Callable] = None
+) -> Tuple[List[Layout], Dict]:
+    """(the layouts ``accepts`` takes and the budget holds, {dropped layout name: reason}).
+    ``accepts(flags, world)``: the trainer's verdict on a layout's flags ("" or why not; the CLI
+    passes :func:`ulysses_mcore.megatron.arguments.layout_problem`); without it every layout that
+    divides the world is considered."""
     keep, dropped = [], {}
     for tp, u, cp, pp in itertools.product(*[_divisors(world)] * 4):
         if world % (tp * u * cp * pp):
             continue
         lay = Layout(tp, u, cp, pp, world // (tp * u * cp * pp))
-        args = build_parser().parse_args(run.trainer_flags() + lay.flags())
-        try:
-            validate(args, world)
-        except ValueError as e:
-            dropped[lay.name] = str(e)
+        problem = accepts(run.trainer_flags() + lay.flags(), world) if accepts is not None else ""
+        if problem:
+            dropped[lay.name] = problem
             continue
         if budget_gb is not None:
             peak = memory_gb(run, lay)
