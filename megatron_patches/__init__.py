@@ -5,10 +5,10 @@ entry point.  Run the script through the launcher::
         --ulysses-degree 4 --tensor-model-parallel-size 2 ... (Megatron-LM's usual flags)
 
 or call :func:`apply` in your own copy of the script.  What the patches do, and the code, is
-:mod:`ulysses_mcore.megatron.patches` (the Megatron adapter).
+:mod:`ulysses_mcore.megatron.compat.patches` (the Megatron adapter).
 """
 
-from ulysses_mcore.megatron.patches import (  # noqa: F401
+from ulysses_mcore.megatron.compat.patches import (  # noqa: F401
     SPEC_FUNCTIONS,
     add_ulysses_args,
     apply,

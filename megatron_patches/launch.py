@@ -7,7 +7,7 @@ What it does before running the script, unchanged, as ``__main__``:
 
 * sets ``CUDA_DEVICE_MAX_CONNECTIONS=1`` when it is unset (Megatron-LM requires it with
   context parallelism, which ``--ulysses-degree`` is folded into, before Blackwell);
-* without CUDA only: :func:`ulysses_mcore.megatron.cpu_compat.apply_megatron_lm` (the CPU
+* without CUDA only: :func:`ulysses_mcore.megatron.compat.cpu_compat.apply_megatron_lm` (the CPU
   adaptations of megatron.core and megatron.training; nothing on a GPU node);
 * :func:`megatron_patches.apply` (``--ulysses-degree`` folded into context parallelism, the
   Ulysses group registered, ``UlyssesAttention`` in megatron-core's GPT layer specs);
@@ -117,7 +117,7 @@ def main(argv=None):
     import megatron_patches
 
     if not torch.cuda.is_available():
-        from ulysses_mcore.megatron import cpu_compat
+        from ulysses_mcore.megatron.compat import cpu_compat
 
         cpu_compat.apply_megatron_lm()
     megatron_patches.apply()

@@ -1,10 +1,10 @@
-"""ulysses_mcore.megatron.arguments: the trainer's flags, checked in one place before any work
+"""ulysses_mcore.megatron.trainer.arguments: the trainer's flags, checked in one place before any work
 (ranges first, then the layout, then the rules between flags), each error naming the flag and the fix.
 The full catalogue of bad command lines, run through the trainer, is tests/test_catalogue.py."""
 
 import pytest
 
-from ulysses_mcore.megatron.arguments import build_parser, padded_vocab, parse_split, validate
+from ulysses_mcore.megatron.trainer.arguments import build_parser, padded_vocab, parse_split, validate
 
 TINY = [
     "--num-layers",

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import ulysses_mcore
 from ulysses_mcore import backends, ring as ring_mod
-from ulysses_mcore.megatron.batch import document_mask
+from ulysses_mcore.megatron.layer.batch import document_mask
 from ulysses_mcore.ring import attention_window, ring_segments, tile_segments
 from tests.helpers import count_collectives, reference_attention, run_threaded, run_threaded_errors
 from tests.test_attention import FP32_RTOL, rel_err

@@ -1,11 +1,11 @@
-"""ulysses_mcore.megatron.batch: sharding of Megatron batches (labels shifted before sharding,
+"""ulysses_mcore.megatron.layer.batch: sharding of Megatron batches (labels shifted before sharding,
 masks), without spawning processes."""
 
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from ulysses_mcore.megatron import batch as B
+from ulysses_mcore.megatron.layer import batch as B
 
 
 @settings(max_examples=40, deadline=None)

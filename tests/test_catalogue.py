@@ -95,7 +95,7 @@ def run_ranks(n, args, cwd, timeout=120, script=SCRIPT):
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     """A good dataset, damaged copies of it, and a good checkpoint (iterations 2 and 4, one rank)."""
-    from ulysses_mcore.megatron.data import read_documents, write_indexed_dataset, EMBEDDED_CORPUS
+    from ulysses_mcore.megatron.trainer.data import read_documents, write_indexed_dataset, EMBEDDED_CORPUS
 
     d = tmp_path_factory.mktemp("assets")
     prefix = str(d / "good")

@@ -1,4 +1,4 @@
-"""ulysses_mcore.megatron.checkpoint: what can be checked without a world -- the latest-iteration
+"""ulysses_mcore.megatron.trainer.checkpoint: what can be checked without a world -- the latest-iteration
 file, the schedule a command line asks for, one metrics row per iteration across resumes.  Saving,
 damage detection and resuming run in spawned worlds: tests/test_catalogue.py, tests/test_reliability.py."""
 
@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from ulysses_mcore.megatron.checkpoint import (
+from ulysses_mcore.megatron.trainer.checkpoint import (
     CheckpointError,
     _read_latest,
     latest_file,

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from ulysses_mcore.cli import scaling
-from ulysses_mcore.megatron.arguments import layout_problem
+from ulysses_mcore.megatron.trainer.arguments import layout_problem
 from ulysses_mcore.planning.step_time import Layout, Run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,4 +1,4 @@
-"""ulysses_mcore.megatron.cpu_compat: the CPU shims apply without CUDA and remove cleanly."""
+"""ulysses_mcore.megatron.compat.cpu_compat: the CPU shims apply without CUDA and remove cleanly."""
 
 import torch
 
@@ -6,7 +6,7 @@ import torch
 def test_cpu_compat_applies_without_cuda_and_removes_cleanly(monkeypatch):
     import megatron.core.tensor_parallel.random as mrandom
 
-    from ulysses_mcore.megatron import cpu_compat
+    from ulysses_mcore.megatron.compat import cpu_compat
 
     before = (torch.cuda.current_device, torch.cuda.get_rng_state, mrandom._set_cuda_rng_state)
     assert cpu_compat.apply() is True and cpu_compat.active()

@@ -1,10 +1,15 @@
-"""ulysses_mcore.megatron.data: the byte tokenizer, Megatron's indexed dataset written and checked,
+"""ulysses_mcore.megatron.trainer.data: the byte tokenizer, Megatron's indexed dataset written and checked,
 and the global-batch sampler's split over data-parallel ranks."""
 
 import pytest
 import torch
 
-from ulysses_mcore.megatron.data import ByteTokenizer, GlobalBatchSampler, check_indexed_dataset, write_indexed_dataset
+from ulysses_mcore.megatron.trainer.data import (
+    ByteTokenizer,
+    GlobalBatchSampler,
+    check_indexed_dataset,
+    write_indexed_dataset,
+)
 
 
 def test_tokenizer_round_trip():
@@ -44,7 +49,7 @@ def test_a_split_left_without_documents_is_refused_before_megatron_loops(tmp_pat
     naming the split, the counts and the fix.  --split 100,0,0 and 3,1,0 build."""
     import time
 
-    from ulysses_mcore.megatron.data import build_gpt_datasets, split_documents, split_problem
+    from ulysses_mcore.megatron.trainer.data import build_gpt_datasets, split_documents, split_problem
 
     prefix = str(tmp_path / "four")
     write_indexed_dataset(["word " * 4036 + "word", "a", "b", "c"], prefix, ByteTokenizer(), progress=False)

@@ -1,4 +1,4 @@
-"""``ulysses-mcore dryrun`` (ulysses_mcore.megatron.dryrun, cli/dryrun): the trainer's model on fake
+"""``ulysses-mcore dryrun`` (ulysses_mcore.megatron.trainer.dryrun, cli/dryrun): the trainer's model on fake
 CUDA at world 8, a reduced Llama-shaped model, through every route the project takes on CUDA -- SDPA's
 flash kernel (ulysses 8, tp 2 x ulysses 4, two pipeline stages), the ring's fused CUDA blocks
 (ulysses 4 x ring 2), torch's varlen kernel (--dynamic-ulysses, packed documents) -- with its counted
@@ -36,7 +36,7 @@ def _args(extra):
 
 @pytest.mark.parametrize("route", list(ROUTES))
 def test_every_rank_kind_runs_its_route_with_the_models_flops_and_the_plans_memory(route):
-    from ulysses_mcore.megatron import dryrun
+    from ulysses_mcore.megatron.trainer import dryrun
 
     flags, kernel = ROUTES[route]
     args = _args(flags)

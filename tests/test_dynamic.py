@@ -47,7 +47,7 @@ WORLD4 = {
 
 
 def _mix(d) -> str:
-    from ulysses_mcore.megatron.data import read_documents, write_indexed_dataset
+    from ulysses_mcore.megatron.trainer.data import read_documents, write_indexed_dataset
     from ulysses_mcore.planning.mix import long_tailed_lengths, write_jsonl
 
     write_jsonl(str(d / "mix.jsonl"), long_tailed_lengths(400, seed=2, median=90, longest=512, whole_every=9), seed=2)
@@ -168,7 +168,7 @@ REFUSED = [
 
 @pytest.mark.parametrize("args,needle", REFUSED, ids=[" ".join(a[2:]) for a, _ in REFUSED])
 def test_layouts_it_does_not_run_are_refused_before_any_collective(args, needle, monkeypatch, capsys):
-    from ulysses_mcore.megatron import pretrain
+    from ulysses_mcore.megatron.trainer import pretrain
 
     monkeypatch.setenv("WORLD_SIZE", "4" if "--pipeline-model-parallel-size" in args else "2")
     rc = pretrain.main(BASE + args)
@@ -177,7 +177,7 @@ def test_layouts_it_does_not_run_are_refused_before_any_collective(args, needle,
 
 
 def test_ulysses_degree_that_is_not_a_power_of_two_is_refused(monkeypatch, capsys):
-    from ulysses_mcore.megatron import pretrain
+    from ulysses_mcore.megatron.trainer import pretrain
 
     monkeypatch.setenv("WORLD_SIZE", "6")
     rc = pretrain.main(
@@ -190,7 +190,7 @@ def test_ulysses_degree_that_is_not_a_power_of_two_is_refused(monkeypatch, capsy
 def test_bucket_is_a_sixteenth_of_the_load_and_a_multiple_of_tp_under_sequence_parallel():
     import argparse
 
-    from ulysses_mcore.megatron.dynamic import bucket_of
+    from ulysses_mcore.megatron.trainer.dynamic import bucket_of
 
     def args(**kw):
         return argparse.Namespace(

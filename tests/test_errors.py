@@ -1,8 +1,8 @@
-"""ulysses_mcore.megatron.errors: a failed collective is told apart from a local error."""
+"""ulysses_mcore.megatron.trainer.errors: a failed collective is told apart from a local error."""
 
 import torch.distributed as dist
 
-from ulysses_mcore.megatron.errors import is_collective_failure
+from ulysses_mcore.megatron.trainer.errors import is_collective_failure
 
 
 def test_only_a_failed_collective_is_reported_as_a_dead_peer():

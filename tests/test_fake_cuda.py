@@ -1,4 +1,4 @@
-"""The stand-ins Megatron needs on fake CUDA (ulysses_mcore.megatron.fake_cuda): device 0, no CUDA RNG
+"""The stand-ins Megatron needs on fake CUDA (ulysses_mcore.megatron.compat.fake_cuda): device 0, no CUDA RNG
 state to fork, pinning dropped -- and everything as it was after the block."""
 
 import contextlib
@@ -9,7 +9,7 @@ import torch
 def test_stand_ins_answer_inside_and_restore_on_exit():
     from megatron.core.tensor_parallel import random as mrandom
 
-    from ulysses_mcore.megatron.fake_cuda import stand_ins
+    from ulysses_mcore.megatron.compat.fake_cuda import stand_ins
 
     before = (torch.cuda.current_device, mrandom.CudaRNGStatesTracker.fork)
     with stand_ins():

@@ -12,7 +12,7 @@ from ulysses_mcore.cli import COMMANDS
 def _parser(name):
     module, _, takes_word = COMMANDS[name]
     if name == "pretrain":
-        from ulysses_mcore.megatron.arguments import build_parser
+        from ulysses_mcore.megatron.trainer.arguments import build_parser
 
         return build_parser()
     p = importlib.import_module(module).build_parser()
@@ -31,9 +31,9 @@ def test_every_flag_has_a_help_line(name):
 
 
 def test_pretrain_help_keeps_its_example_on_separate_lines(capsys):
-    from ulysses_mcore.megatron.pretrain import __doc__ as doc
+    from ulysses_mcore.megatron.trainer.pretrain import __doc__ as doc
 
-    from ulysses_mcore.megatron.arguments import build_parser
+    from ulysses_mcore.megatron.trainer.arguments import build_parser
 
     text = build_parser(doc).format_help()
     example = [line for line in text.splitlines() if "ulysses-mcore pretrain \\" in line]

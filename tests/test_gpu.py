@@ -73,7 +73,7 @@ def test_nccl_world():
 def test_packed_varlen_kernel_on_gpu_matches_float64(backend):
     """THD with global cu_seqlens on one GPU (group of one): the varlen path of each kernel."""
     from ulysses_mcore import backends, ulysses_attention
-    from ulysses_mcore.megatron.batch import document_mask
+    from ulysses_mcore.megatron.layer.batch import document_mask
 
     if backends.backend_error(backend):
         pytest.skip(backends.backend_error(backend))
@@ -203,7 +203,7 @@ def test_threaded_world_on_one_gpu_matches_float64_without_host_syncs(P, case):
     qr, kr, vr = (t.double().cpu().requires_grad_() for t in full[:3])
     mask = None
     if packed:
-        from ulysses_mcore.megatron.batch import document_mask
+        from ulysses_mcore.megatron.layer.batch import document_mask
 
         qr, kr, vr = (t.detach().unsqueeze(1).requires_grad_() for t in (qr, kr, vr))
         mask = document_mask(cu.cpu(), S)

@@ -40,18 +40,24 @@ FACTORIES = {
 }
 # (file, function): factories that never run per call, each with its reason
 HOST_SIDE = {
-    ("ulysses_mcore/megatron/batch.py", "document_boundaries"): "data path: host batches, moved by training.to_device",
-    ("ulysses_mcore/megatron/data.py", "write_indexed_dataset"): "preprocessing on the host",
-    ("ulysses_mcore/megatron/data.py", "microbatches"): "data path: host batches, moved by training.to_device",
-    ("ulysses_mcore/megatron/dryrun.py", "_batch"): "dry run: a host batch, moved by training.to_device",
-    ("ulysses_mcore/megatron/dryrun.py", "_dynamic_cell"): "dry run: a host cell, moved by training.to_device",
-    ("ulysses_mcore/megatron/dynamic.py", "_cell"): "data path: a cell's host batch, moved by training.to_device",
-    ("ulysses_mcore/megatron/module.py", "_sinks"): "build time: moved with the model by build_gpt",
-    ("ulysses_mcore/megatron/module.py", "_initial_sinks"): "build time: moved with the model by build_gpt",
-    ("ulysses_mcore/megatron/training.py", "init_layout_independent"): "build time: host draw, copied",
-    ("ulysses_mcore/megatron/training.py", "_nonfinite_report"): "once per step: a host flag, moved",
-    ("ulysses_mcore/megatron/training.py", "_loss_on_all_ranks"): "once per step: host loss values",
-    ("ulysses_mcore/megatron/pretrain.py", "_exit_reason"): "once per iteration: a host flag, moved",
+    (
+        "ulysses_mcore/megatron/layer/batch.py",
+        "document_boundaries",
+    ): "data path: host batches, moved by training.to_device",
+    ("ulysses_mcore/megatron/trainer/data.py", "write_indexed_dataset"): "preprocessing on the host",
+    ("ulysses_mcore/megatron/trainer/data.py", "microbatches"): "data path: host batches, moved by training.to_device",
+    ("ulysses_mcore/megatron/trainer/dryrun.py", "_batch"): "dry run: a host batch, moved by training.to_device",
+    ("ulysses_mcore/megatron/trainer/dryrun.py", "_dynamic_cell"): "dry run: a host cell, moved by training.to_device",
+    (
+        "ulysses_mcore/megatron/trainer/dynamic.py",
+        "_cell",
+    ): "data path: a cell's host batch, moved by training.to_device",
+    ("ulysses_mcore/megatron/layer/module.py", "_sinks"): "build time: moved with the model by build_gpt",
+    ("ulysses_mcore/megatron/layer/module.py", "_initial_sinks"): "build time: moved with the model by build_gpt",
+    ("ulysses_mcore/megatron/trainer/training.py", "init_layout_independent"): "build time: host draw, copied",
+    ("ulysses_mcore/megatron/trainer/training.py", "_nonfinite_report"): "once per step: a host flag, moved",
+    ("ulysses_mcore/megatron/trainer/training.py", "_loss_on_all_ranks"): "once per step: host loss values",
+    ("ulysses_mcore/megatron/trainer/pretrain.py", "_exit_reason"): "once per iteration: a host flag, moved",
 }
 
 
@@ -143,7 +149,7 @@ def test_bf16_ring_runs_no_fp32_gemm_beyond_a_tile(packed):
     qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
     mask = None
     if packed:
-        from ulysses_mcore.megatron.batch import document_mask
+        from ulysses_mcore.megatron.layer.batch import document_mask
 
         mask = document_mask(cu, S)
     ref = reference_attention(qr, kr, vr, causal=True, attention_mask=mask)
@@ -151,7 +157,7 @@ def test_bf16_ring_runs_no_fp32_gemm_beyond_a_tile(packed):
 
 
 def test_bf16_chunked_loss_runs_its_gemms_in_bf16():
-    from ulysses_mcore.megatron.memory import ChunkedLinearCrossEntropy
+    from ulysses_mcore.megatron.layer.memory import ChunkedLinearCrossEntropy
 
     h, w = _bf16((96, 32), (200, 32))
     labels = torch.randint(0, 200, (96,), generator=torch.Generator().manual_seed(1))
@@ -294,7 +300,7 @@ def test_ring_reads_packed_boundaries_once_per_micro_batch():
     ``cu_seqlens`` reads nothing -- and the result is exact."""
     from tests.test_ring import hybrid_groups, shard
     from ulysses_mcore import ulysses_attention
-    from ulysses_mcore.megatron.batch import document_mask
+    from ulysses_mcore.megatron.layer.batch import document_mask
 
     S = 64
     g = torch.Generator().manual_seed(2)

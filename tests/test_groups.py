@@ -20,7 +20,7 @@ def _world(rank, world):
     import torch.distributed as dist
 
     import ulysses_mcore
-    from ulysses_mcore.megatron import groups
+    from ulysses_mcore.megatron.layer import groups
 
     results = []
     for cfg in CONFIGS:
@@ -45,7 +45,7 @@ def _world(rank, world):
         # a layer finds the same groups in Megatron's own collection, split as the config says
         from types import SimpleNamespace
 
-        from ulysses_mcore.megatron.module import sequence_groups
+        from ulysses_mcore.megatron.layer.module import sequence_groups
 
         config = SimpleNamespace(hierarchical_context_parallel_sizes=[topo.ulysses, topo.cp] if topo.cp > 1 else None)
         ranks = [None if g is None else dist.get_process_group_ranks(g) for g in (named["ulysses"], named["cp"])]

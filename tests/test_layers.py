@@ -97,6 +97,21 @@ def _external_imports(path):
     return names
 
 
+ROOMS = ("layer", "compat", "trainer")  # the Megatron adapter's rooms, lowest first
+
+
+def test_megatron_rooms_import_only_rooms_below():
+    """layer (what goes in a model) imports neither compat nor trainer; compat (Megatron as
+    installed: patches, shims) does not import the trainer."""
+    graph = _package_imports()
+    for i, room in enumerate(ROOMS):
+        above = tuple(f"ulysses_mcore.megatron.{r}." for r in ROOMS[i + 1 :])
+        for mod, deps in graph.items():
+            if mod.startswith(f"ulysses_mcore.megatron.{room}."):
+                up = sorted(d for d in deps if d.startswith(above))
+                assert not up, f"{mod} imports {up} from a room above it"
+
+
 def test_planning_imports_nothing_above_it():
     """planning is arithmetic: no torch, no Megatron, nothing of the package outside planning (the
     CLI hands it the trainer's verdict on a layout: ``enumerate_layouts(accepts=...)``)."""
@@ -113,7 +128,7 @@ SIZE_BOUNDS = dict(
     nloc=60, ccn=15
 )  # per function: lines of code (docstrings and comments aside), cyclomatic complexity
 TABLES = {  # argparse tables: data, one branch
-    "ulysses_mcore/megatron/arguments.py": {"build_parser"},
+    "ulysses_mcore/megatron/trainer/arguments.py": {"build_parser"},
     "ulysses_mcore/cli/plan.py": {"build_parser"},
 }
 
@@ -138,11 +153,11 @@ def test_functions_are_small():
 
 
 def test_tests_mirror_modules():
-    """tests/test_<module>.py for every module of ulysses_mcore/, its megatron/ and planning/, and
+    """tests/test_<module>.py for every module of ulysses_mcore/, its planning/ and megatron/ rooms, and
     tests/test_cli_<module>.py (test_cli.py for the dispatcher) for its cli/."""
     want = {
         f"test_{p.stem}.py"
-        for d in ("ulysses_mcore", "ulysses_mcore/megatron", "ulysses_mcore/planning")
+        for d in ("ulysses_mcore", "ulysses_mcore/planning", *(f"ulysses_mcore/megatron/{r}" for r in ROOMS))
         for p in (ROOT / d).glob("*.py")
         if p.stem not in ("__init__", "__main__")
     }

@@ -1,9 +1,9 @@
-"""ulysses_mcore.megatron.loss: token-weighted sums (never a mean of means), against a direct sum."""
+"""ulysses_mcore.megatron.trainer.loss: token-weighted sums (never a mean of means), against a direct sum."""
 
 import pytest
 import torch
 
-from ulysses_mcore.megatron.loss import check_config, global_mean, masked_token_loss
+from ulysses_mcore.megatron.trainer.loss import check_config, global_mean, masked_token_loss
 
 
 def test_masked_token_loss_sums_only_kept_tokens():
@@ -17,7 +17,7 @@ def test_masked_token_loss_sums_only_kept_tokens():
 def test_global_mean_weights_by_tokens(monkeypatch):
     """Two micro-batches of 3 and 1 tokens: the mean is over the 4 tokens, not of the two means
     (one rank: no process group, nothing to reduce)."""
-    from ulysses_mcore.megatron import loss
+    from ulysses_mcore.megatron.trainer import loss
 
     monkeypatch.setattr(loss.dist, "is_initialized", lambda: False)
     a = masked_token_loss(torch.ones(1, 3), torch.tensor([[1.0, 1.0, 1.0]]))[2]

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from tests.helpers import free_port, run_in_session
-from ulysses_mcore.megatron.patches import CPU_FLAGS
+from ulysses_mcore.megatron.compat.patches import CPU_FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MEGATRON_LM = os.environ.get("MEGATRON_LM", "")
@@ -185,7 +185,7 @@ def test_loss_lines_equal_without_ulysses(layout):
 def test_dynamic_ulysses_is_refused_at_start_up_on_every_rank():
     """Megatron-LM's script with --dynamic-ulysses stops in its argument validation, before any
     collective, on both ranks, saying why and which command runs it."""
-    from ulysses_mcore.megatron.patches import DYNAMIC_REFUSED
+    from ulysses_mcore.megatron.compat.patches import DYNAMIC_REFUSED
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([MEGATRON_LM, ROOT]), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]

@@ -1,4 +1,4 @@
-"""Chunked linear cross-entropy and the sequence-tiled MLP (ulysses_mcore.megatron.memory).
+"""Chunked linear cross-entropy and the sequence-tiled MLP (ulysses_mcore.megatron.layer.memory).
 
 References: float64 cross-entropy over the whole logits (written out here), and Megatron's own
 MLP / GPTModel loss without chunking.  GPTModel-level parity with both features at ulysses 2,
@@ -29,7 +29,7 @@ def test_chunked_cross_entropy_matches_float64_vocab_parallel(tp, chunk):
     """Loss, hidden gradient (summed over the vocabulary shards, as the tp mapping does) and each
     rank's weight-shard gradient, against float64 over the whole vocabulary; a per-token upstream
     gradient that is not a constant (Megatron scales by the loss mask)."""
-    from ulysses_mcore.megatron.memory import ChunkedLinearCrossEntropy
+    from ulysses_mcore.megatron.layer.memory import ChunkedLinearCrossEntropy
 
     g = torch.Generator().manual_seed(0)
     T, h, V = 23, 16, 48
@@ -60,7 +60,7 @@ def test_chunked_cross_entropy_matches_float64_vocab_parallel(tp, chunk):
 
 def test_chunked_cross_entropy_negative_control():
     """The same check catches a wrong vocabulary offset (each rank believing it holds rows 0..V/tp)."""
-    from ulysses_mcore.megatron.memory import ChunkedLinearCrossEntropy
+    from ulysses_mcore.megatron.layer.memory import ChunkedLinearCrossEntropy
 
     g = torch.Generator().manual_seed(1)
     hidden, weight = torch.randn(9, 8, generator=g), torch.randn(16, 8, generator=g)
@@ -77,7 +77,7 @@ def test_chunked_cross_entropy_negative_control():
 
 
 def test_chunked_cross_entropy_bf16_accumulates_in_fp32():
-    from ulysses_mcore.megatron.memory import ChunkedLinearCrossEntropy
+    from ulysses_mcore.megatron.layer.memory import ChunkedLinearCrossEntropy
 
     g = torch.Generator().manual_seed(2)
     hidden, weight = torch.randn(40, 32, generator=g), torch.randn(300, 32, generator=g) * 0.2
@@ -102,8 +102,8 @@ def test_tiled_mlp_equals_megatrons_mlp(gated):
 
         from megatron.core.transformer.spec_utils import build_module
 
-        from ulysses_mcore.megatron import training
-        from ulysses_mcore.megatron.specs import get_ulysses_layer_spec, swap_mlp
+        from ulysses_mcore.megatron.trainer import training
+        from ulysses_mcore.megatron.layer.specs import get_ulysses_layer_spec, swap_mlp
 
         cfg = training.gpt_config(
             num_layers=1,
@@ -161,8 +161,8 @@ def test_chunked_loss_under_sequence_parallelism(tp, chunk):
     chunks and its reduce-scatter returns each rank's hidden gradient.  Against float64 over the
     whole sequence and vocabulary: every rank's loss [b, s], its hidden shard's and weight shard's
     gradients."""
-    from ulysses_mcore.megatron import cpu_compat
-    from ulysses_mcore.megatron.memory import chunked_cross_entropy
+    from ulysses_mcore.megatron.compat import cpu_compat
+    from ulysses_mcore.megatron.layer.memory import chunked_cross_entropy
 
     g = torch.Generator().manual_seed(3)
     s, b, h, V = 12, 2, 8, 24
@@ -201,13 +201,13 @@ def _single_rank_megatron():
     import os
 
     from tests.helpers import free_port
-    from ulysses_mcore.megatron import cpu_compat
+    from ulysses_mcore.megatron.compat import cpu_compat
 
     cpu_compat.apply()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     import ulysses_mcore
-    from ulysses_mcore.megatron import groups
+    from ulysses_mcore.megatron.layer import groups
 
     ulysses_mcore.initialize(verbose=False)
 

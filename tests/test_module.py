@@ -141,7 +141,7 @@ def test_megatron_per_document_thd_layout(P, mask_type):
     zero gradient) although their output gradient is not zero."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from ulysses_mcore.megatron.batch import document_mask
+    from ulysses_mcore.megatron.layer.batch import document_mask
 
     heads, d = 4, 8
     real = [5, 11, 3]  # document lengths
@@ -280,7 +280,7 @@ def test_groups_come_from_megatrons_collection_as_its_config_splits_it():
     from types import SimpleNamespace
 
     from ulysses_mcore import new_sequence_groups
-    from ulysses_mcore.megatron.module import sequence_groups
+    from ulysses_mcore.megatron.layer.module import sequence_groups
 
     def rank_fn(rank, world):
         ug, rg = new_sequence_groups(2, 2)

@@ -110,7 +110,7 @@ import torch
 import megatron.training.initialize as init
 import megatron.training.arguments as arguments
 import megatron.training.training as training
-from ulysses_mcore.megatron import cpu_compat
+from ulysses_mcore.megatron.compat import cpu_compat
 
 before = {name: getattr(init, name) for name in ("initialize_megatron", "_initialize_distributed",
                                                    "_set_random_seed", "_warmup_jit_function")}

@@ -124,7 +124,7 @@ def test_costs_from_the_step_time_models_rates():
     import json
     import os
 
-    from ulysses_mcore.megatron.dynamic import CPU_RATES
+    from ulysses_mcore.megatron.trainer.dynamic import CPU_RATES
     from ulysses_mcore.planning.step_time import MODELS, PRESETS, gpu_rates
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -202,7 +202,7 @@ BAD_FLAGS = [
 def run_main_in_process(args, monkeypatch, capsys, world_size=2):
     """The trainer's main() as rank r of ``world_size`` up to its flag checks (they run before
     torch.distributed starts, identically on every rank): (exit code, stderr)."""
-    from ulysses_mcore.megatron import pretrain
+    from ulysses_mcore.megatron.trainer import pretrain
 
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
     try:

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import ulysses_mcore
 from ulysses_mcore import ring as ring_mod
-from ulysses_mcore.megatron.batch import document_mask
+from ulysses_mcore.megatron.layer.batch import document_mask
 from ulysses_mcore.ring import ring_attention, ring_segments
 from tests.helpers import count_collectives, reference_attention, run_threaded, run_threaded_errors
 from tests.test_attention import FP32_RTOL, make_inputs, rel_err

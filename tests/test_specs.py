@@ -1,4 +1,4 @@
-"""ulysses_mcore.megatron.specs: core attention swapped through ModuleSpec, everything else kept."""
+"""ulysses_mcore.megatron.layer.specs: core attention swapped through ModuleSpec, everything else kept."""
 
 import pytest
 
@@ -25,7 +25,7 @@ def test_spec_swap_looks_inside_partials():
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     from ulysses_mcore import UlyssesAttention
-    from ulysses_mcore.megatron.specs import swap_core_attention
+    from ulysses_mcore.megatron.layer.specs import swap_core_attention
 
     base = get_gpt_layer_local_spec()
     wrapped = ModuleSpec(module=object, submodules=functools.partial(dict, layer=base))
@@ -39,7 +39,7 @@ def test_spec_swap_keeps_everything_else():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from ulysses_mcore import UlyssesAttention
-    from ulysses_mcore.megatron.specs import get_ulysses_layer_spec, swap_core_attention
+    from ulysses_mcore.megatron.layer.specs import get_ulysses_layer_spec, swap_core_attention
 
     base = get_gpt_layer_local_spec(qk_layernorm=True)
     spec = get_ulysses_layer_spec(qk_layernorm=True)

@@ -4,7 +4,7 @@ cross, and a fit that recovers known rates."""
 
 import pytest
 
-from ulysses_mcore.megatron.arguments import layout_problem
+from ulysses_mcore.megatron.trainer.arguments import layout_problem
 from ulysses_mcore.planning.step_time import Layout, Run, crosses_nodes, enumerate_layouts, features, fit, predict
 from ulysses_mcore.topology import Topology, TopologyError
 

@@ -1,4 +1,4 @@
-"""ulysses_mcore.megatron.timing: the phases of a step, measured in the step -- the all-to-alls and
+"""ulysses_mcore.megatron.trainer.timing: the phases of a step, measured in the step -- the all-to-alls and
 their bytes, the attention kernel without them, the optimizer -- on a real module in a threaded world."""
 
 import time
@@ -10,7 +10,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from tests.helpers import run_threaded
 from tests.test_module import config
 from ulysses_mcore import UlyssesAttention
-from ulysses_mcore.megatron.timing import StepTimer
+from ulysses_mcore.megatron.trainer.timing import StepTimer
 
 
 class _Optimizer:

@@ -28,7 +28,7 @@ def test_tokens_per_second_come_from_the_steps_actually_timed(monkeypatch):
     import time
 
     from tools import gpu_model_check as g
-    from ulysses_mcore.megatron import training
+    from ulysses_mcore.megatron.trainer import training
 
     monkeypatch.setattr(training, "train_step", lambda *a, **k: (time.sleep(0.02), {"loss": 1.0})[1])
     losses, secs, timed = g.steps(None, None, [None] * 5, 100, g.torch.device("cpu"))

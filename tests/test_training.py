@@ -73,7 +73,7 @@ MODEL = dict(num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_he
 def _data():
     import torch
 
-    from ulysses_mcore.megatron.batch import make_lm_batch
+    from ulysses_mcore.megatron.layer.batch import make_lm_batch
 
     g = torch.Generator().manual_seed(0)
     full = make_lm_batch(torch.randint(0, VOCAB, (GLOBAL, S_REAL + 1), generator=g))
@@ -85,7 +85,7 @@ def _data():
 def _packed_data():
     import torch
 
-    from ulysses_mcore.megatron.batch import make_lm_batch
+    from ulysses_mcore.megatron.layer.batch import make_lm_batch
 
     g = torch.Generator().manual_seed(5)
     text = torch.randint(0, VOCAB - 1, (GLOBAL, S_PACKED + 1), generator=g)
@@ -99,7 +99,7 @@ def _packed_data():
 def _step(model, opt, mbs, seq_length):
     from megatron.core import parallel_state as ps
 
-    from ulysses_mcore.megatron import training
+    from ulysses_mcore.megatron.trainer import training
 
     model.zero_grad_buffer()
     opt.zero_grad()
@@ -168,7 +168,7 @@ def _build(ckpt_dir, load, dense_mask=False, mem=False, mla=False):
     import torch
     from megatron.core import dist_checkpointing, tensor_parallel
 
-    from ulysses_mcore.megatron import training
+    from ulysses_mcore.megatron.trainer import training
 
     torch.manual_seed(1234)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
@@ -177,7 +177,7 @@ def _build(ckpt_dir, load, dense_mask=False, mem=False, mla=False):
     if mla:
         from megatron.core.transformer.spec_utils import ModuleSpec
 
-        from ulysses_mcore.megatron.specs import get_ulysses_layer_spec
+        from ulysses_mcore.megatron.layer.specs import get_ulysses_layer_spec
 
         spec = get_ulysses_layer_spec(multi_latent_attention=True)
         if not load:  # the reference: the same layer with the float64 core attention
@@ -185,17 +185,17 @@ def _build(ckpt_dir, load, dense_mask=False, mem=False, mla=False):
     if dense_mask:  # the reference for packed runs: Megatron-LM's [s, s] --reset-attention-mask mask
         from megatron.core.transformer.enums import AttnMaskType
 
-        from ulysses_mcore.megatron.specs import get_ulysses_layer_spec
+        from ulysses_mcore.megatron.layer.specs import get_ulysses_layer_spec
 
         spec = get_ulysses_layer_spec()
         spec.submodules.self_attention.params["attn_mask_type"] = AttnMaskType.padding_causal
     if mem:
-        from ulysses_mcore.megatron.specs import get_ulysses_layer_spec
+        from ulysses_mcore.megatron.layer.specs import get_ulysses_layer_spec
 
         spec = get_ulysses_layer_spec(mlp_chunk_tokens=MLP_CHUNK)
     model = training.build_gpt(cfg, vocab_size=VOCAB, max_sequence_length=64, layer_spec=spec)
     if mem:
-        from ulysses_mcore.megatron.memory import enable_chunked_loss
+        from ulysses_mcore.megatron.layer.memory import enable_chunked_loss
 
         enable_chunked_loss(model.module, LOSS_CHUNK)
     if load:
@@ -210,13 +210,13 @@ def _parity_world(rank, world, ckpt_dir, controls):
     import torch
     import torch.distributed as dist
 
-    from ulysses_mcore.megatron import cpu_compat
+    from ulysses_mcore.megatron.compat import cpu_compat
 
     cpu_compat.apply()
     import ulysses_mcore
     from megatron.core import parallel_state as ps
-    from ulysses_mcore.megatron import groups
-    from ulysses_mcore.megatron.batch import shard_batch
+    from ulysses_mcore.megatron.layer import groups
+    from ulysses_mcore.megatron.layer.batch import shard_batch
 
     full = _data()
     ulysses_mcore.initialize(verbose=False)  # reference: dp 8, every rank holds the whole batch
@@ -264,7 +264,7 @@ def _parity_world(rank, world, ckpt_dir, controls):
     out.update(_mla_parity(ckpt_dir + "_mla"))
     if controls:
         out["control: late label shift"] = run(dict(ulysses=2), 1, mode="late_shift")
-        from ulysses_mcore.megatron import memory
+        from ulysses_mcore.megatron.layer import memory
 
         right = memory.chunked_cross_entropy
         memory.chunked_cross_entropy = lambda *a, **kw: right(*a, **dict(kw, vocab_start=0))
@@ -285,8 +285,8 @@ def _packed_parity(ckpt_dir):
     from megatron.core import parallel_state as ps
 
     import ulysses_mcore
-    from ulysses_mcore.megatron import groups
-    from ulysses_mcore.megatron.batch import document_mask, document_boundaries, pack_batch, shard_batch
+    from ulysses_mcore.megatron.layer import groups
+    from ulysses_mcore.megatron.layer.batch import document_mask, document_boundaries, pack_batch, shard_batch
 
     full = _packed_data()
     mbs = [{k: v[i : i + 1] for k, v in full.items()} for i in range(GLOBAL)]
@@ -345,8 +345,8 @@ def _mla_parity(ckpt_dir):
     from megatron.core import parallel_state as ps
 
     import ulysses_mcore
-    from ulysses_mcore.megatron import groups
-    from ulysses_mcore.megatron.batch import shard_batch
+    from ulysses_mcore.megatron.layer import groups
+    from ulysses_mcore.megatron.layer.batch import shard_batch
 
     os.makedirs(ckpt_dir, exist_ok=True)
     full = _data()
@@ -412,7 +412,7 @@ def _te_thd_shard(mb, rank, cp):
     import torch
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from ulysses_mcore.megatron.batch import document_boundaries
+    from ulysses_mcore.megatron.layer.batch import document_boundaries
 
     cu = document_boundaries(mb["tokens"], EOD).tolist()
     parts, bounds_pad = {k: [] for k in ("tokens", "labels", "loss_mask", "position_ids")}, [0]
@@ -440,7 +440,7 @@ def _te_thd_shard(mb, rank, cp):
 
 
 def _local(model, global_name):
-    from ulysses_mcore.megatron import training
+    from ulysses_mcore.megatron.trainer import training
 
     for n, _ in model.module.named_parameters():
         if training.global_layer_name(model, n) == global_name:
@@ -485,7 +485,7 @@ def test_to_device_moves_batches_and_packed_seq_params_keeping_host_ints():
     import torch
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from ulysses_mcore.megatron.training import to_device, training_device
+    from ulysses_mcore.megatron.trainer.training import to_device, training_device
 
     cu = torch.tensor([0, 3, 8], dtype=torch.int32)
     psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=5, max_seqlen_kv=5)

@@ -108,7 +108,7 @@ def world_of_one(dev, seed: int) -> None:
         port = sock.getsockname()[1]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
     if dev.type == "cpu":
-        from ulysses_mcore.megatron import cpu_compat
+        from ulysses_mcore.megatron.compat import cpu_compat
 
         cpu_compat.apply()
     else:
@@ -123,8 +123,8 @@ def world_of_one(dev, seed: int) -> None:
 
 def bench_memory(dev, seqs, quick=False):
     """Peak memory of a GPTModel forward+backward per sequence length (degree 1)."""
-    from ulysses_mcore.megatron import training
-    from ulysses_mcore.megatron.batch import make_lm_batch
+    from ulysses_mcore.megatron.trainer import training
+    from ulysses_mcore.megatron.layer.batch import make_lm_batch
 
     world_of_one(dev, seed=0)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32

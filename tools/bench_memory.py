@@ -37,15 +37,15 @@ def _worker(rank, world, port, seqs, ring, queue):
     import torch
     import torch.distributed as dist
 
-    from ulysses_mcore.megatron import cpu_compat
+    from ulysses_mcore.megatron.compat import cpu_compat
 
     cpu_compat.apply()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     import ulysses_mcore
     from megatron.core import tensor_parallel
-    from ulysses_mcore.megatron import training
-    from ulysses_mcore.megatron.batch import make_lm_batch, shard_batch
+    from ulysses_mcore.megatron.trainer import training
+    from ulysses_mcore.megatron.layer.batch import make_lm_batch, shard_batch
 
     ulysses_mcore.initialize(ulysses=world // ring, cp=ring, verbose=False)
     torch.manual_seed(0)

@@ -49,7 +49,7 @@ SPEED = dict(num_layers=8, hidden_size=2048, num_attention_heads=16, num_query_g
 
 def build(size, dtype, spec, seq, vocab, seed=1234):
     """(DDP GPTModel, optimizer) of ``spec`` with weights drawn independently of the device."""
-    from ulysses_mcore.megatron import training
+    from ulysses_mcore.megatron.trainer import training
 
     bf16 = dtype == torch.bfloat16
     cfg = training.gpt_config(**size, bf16=bf16, params_dtype=dtype)
@@ -99,7 +99,7 @@ def spec_of(name):
     Megatron's own (no Ulysses)."""
     from megatron.core.models.gpt import gpt_layer_specs as g
 
-    from ulysses_mcore.megatron.specs import get_ulysses_layer_spec
+    from ulysses_mcore.megatron.layer.specs import get_ulysses_layer_spec
 
     return {
         "ulysses-sdpa": lambda: get_ulysses_layer_spec("local"),
@@ -112,7 +112,7 @@ def spec_of(name):
 
 
 def batches(n, seq, vocab, seed=0):
-    from ulysses_mcore.megatron.batch import make_lm_batch
+    from ulysses_mcore.megatron.layer.batch import make_lm_batch
 
     gen = torch.Generator().manual_seed(seed)
     return [make_lm_batch(torch.randint(0, vocab, (1, seq + 1), generator=gen)) for _ in range(n)]
@@ -121,7 +121,7 @@ def batches(n, seq, vocab, seed=0):
 def steps(model, optimizer, data, seq, dev, warm=3):
     """Optimizer steps over ``data`` (one micro-batch each): (losses, seconds of the timed steps, how
     many were timed) -- the first ``warm`` (at most all but one) are not timed."""
-    from ulysses_mcore.megatron import training
+    from ulysses_mcore.megatron.trainer import training
 
     losses, t0 = [], None
     first = min(warm, len(data) - 1)
@@ -205,7 +205,7 @@ def _measure(name, size, dtype, seq, vocab, data, dev):
     fresh(dev)
     model, opt = build(size, dtype, spec_of(name), seq, vocab)
     if name.endswith("chunked loss"):
-        from ulysses_mcore.megatron.memory import enable_chunked_loss
+        from ulysses_mcore.megatron.layer.memory import enable_chunked_loss
 
         enable_chunked_loss(model.module, CHUNK_TOKENS)
     with flop_counter() as flops:

@@ -3,7 +3,7 @@
 :func:`ulysses_attention` is the framework-neutral functional form (torch only): it turns its
 keywords into one :class:`~ulysses_mcore.options.AttentionOptions` record (a dict lookup) and
 runs the prepared call of the signature (:mod:`ulysses_mcore.call`).  The Megatron-Core
-``core_attention`` module built on it is :class:`ulysses_mcore.megatron.module.UlyssesAttention`.
+``core_attention`` module built on it is :class:`ulysses_mcore.megatron.layer.module.UlyssesAttention`.
 """
 
 from __future__ import annotations

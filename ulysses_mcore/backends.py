@@ -408,7 +408,7 @@ def _te_mask(mask, causal: bool):
 
 class TEAttention(torch.nn.Module):
     """Transformer Engine's ``DotProductAttention`` for the heads one rank holds after the exchange,
-    built once: as a child of :class:`~ulysses_mcore.megatron.module.UlyssesAttention` (its layer
+    built once: as a child of :class:`~ulysses_mcore.megatron.layer.module.UlyssesAttention` (its layer
     number, its own FP8 metadata, its state in the model's state dict and checkpoints), or cached
     per shape for the functional API.  With ``ring_group``, TE's own p2p ring over it (the input is
     this rank's dual-chunk ring shard, which TE's load-balanced context parallelism expects).  The

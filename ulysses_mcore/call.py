@@ -9,7 +9,7 @@ pay one dict lookup on a tuple of shapes, dtypes and ids (:func:`call_key`), the
 collectives and the kernel: no validation, no plan, no per-rank Python loop for regular head
 plans, no device-to-host copy.
 
-:class:`CallCache` holds them: one per :class:`~ulysses_mcore.megatron.module.UlyssesAttention`
+:class:`CallCache` holds them: one per :class:`~ulysses_mcore.megatron.layer.module.UlyssesAttention`
 instance, and one (bounded) for the functional API.  An entry holds its groups, so a group's id
 cannot be reused by another while it is cached.
 """

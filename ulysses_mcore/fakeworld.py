@@ -318,7 +318,10 @@ def _topological(root) -> list:
 
 # ----------------------------------------------------------------------------- findings
 HOST_READ = "DataDependentOutputException"
-_NOT_THE_SOURCE = ("/ulysses_mcore/fakeworld.py", "/ulysses_mcore/megatron/fake_cuda.py")  # the stand-ins' frames
+_NOT_THE_SOURCE = (
+    "/ulysses_mcore/fakeworld.py",
+    "/ulysses_mcore/megatron/compat/fake_cuda.py",
+)  # the stand-ins' frames
 DEVICE_MISMATCH = "FakeTensorDeviceMismatchError"
 
 

@@ -349,7 +349,7 @@ def _packing_flags_problem(c: _Call) -> str:
     if fmt == "thd" and cu is None:
         return (
             "packed_seq_params needs cu_seqlens_q (global document boundaries of the packed stream); build it "
-            "with ulysses_mcore.megatron.batch.packed_seq_params()"
+            "with ulysses_mcore.megatron.layer.batch.packed_seq_params()"
         )
     if cu is not None and not c.thd:
         return f"cu_seqlens is given but layout={c.layout!r}: pass layout='thd' for packed sequences"
@@ -388,7 +388,7 @@ def _boundaries_problem(c: _Call) -> str:
     if kv is not None and kv is not cu and _int_list(kv) != vals:
         return (
             "cu_seqlens_kv must equal cu_seqlens_q for self-attention; build the batch with "
-            "ulysses_mcore.megatron.batch.packed_seq_params()"
+            "ulysses_mcore.megatron.layer.batch.packed_seq_params()"
         )
     return ""
 
@@ -475,7 +475,7 @@ def _ring_problem(r: CallRecord) -> str:
     if r.data["seqlens"] is not None:
         return (
             "packed documents with padding between them (cu_seqlens_q != cu_seqlens_q_padded) cannot run with "
-            "a ring: build the batch with ulysses_mcore.megatron.batch.pack_batch + shard_batch"
+            "a ring: build the batch with ulysses_mcore.megatron.layer.batch.pack_batch + shard_batch"
         )
     if o.backend == "te" and (o.layout == "thd" or r.data["attention_mask"] is not None or bias is not None):
         return (

@@ -20,7 +20,7 @@ from typing import List, Optional
 
 # command -> (module with main(argv), one line of help, whether the module's own parser takes the command word)
 COMMANDS = {
-    "pretrain": ("ulysses_mcore.megatron.pretrain", "train a GPT with Megatron-Core and Ulysses (run under torchrun)", False),
+    "pretrain": ("ulysses_mcore.megatron.trainer.pretrain", "train a GPT with Megatron-Core and Ulysses (run under torchrun)", False),
     "dryrun": ("ulysses_mcore.cli.dryrun", "the trainer's model at cluster size on fake CUDA: kernels, host reads, memory, FLOPs", False),
     "plan": ("ulysses_mcore.cli.plan", "per-rank memory and all-to-all bytes; the longest sequence that fits", False),
     "topology": ("ulysses_mcore.cli.topology", "process groups of a layout, node crossings, heads and tokens", False),

@@ -1,5 +1,5 @@
 """``ulysses-mcore dryrun``: the trainer's model at full size on fake CUDA, one rank of each kind,
-without a GPU (:mod:`ulysses_mcore.megatron.dryrun`).
+without a GPU (:mod:`ulysses_mcore.megatron.trainer.dryrun`).
 
     ulysses-mcore dryrun --world-size 8 --ulysses-degree 8 --num-layers 32 --hidden-size 4096 \\
         --num-attention-heads 32 --group-query-attention --num-query-groups 8 --ffn-hidden-size 14336 \\
@@ -18,7 +18,7 @@ from dataclasses import asdict
 
 
 def build_parser():
-    from ulysses_mcore.megatron.arguments import build_parser as pretrain_parser
+    from ulysses_mcore.megatron.trainer.arguments import build_parser as pretrain_parser
 
     p = pretrain_parser(__doc__)
     g = p.add_argument_group("dry run")
@@ -72,8 +72,8 @@ def main(argv=None) -> int:
     if why:
         print(f"error: ulysses-mcore dryrun: {why}", file=sys.stderr)
         return 2
-    from ulysses_mcore.megatron import dryrun
-    from ulysses_mcore.megatron.arguments import padded_vocab
+    from ulysses_mcore.megatron.trainer import dryrun
+    from ulysses_mcore.megatron.trainer.arguments import padded_vocab
 
     args.vocab_size = args.vocab_size or padded_vocab(args)
     try:

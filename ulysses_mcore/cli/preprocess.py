@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None):
     a = build_parser().parse_args(argv)
-    from ulysses_mcore.megatron.data import read_documents, write_indexed_dataset
+    from ulysses_mcore.megatron.trainer.data import read_documents, write_indexed_dataset
 
     if not os.path.exists(a.input):
         print(f"error: --input {a.input} does not exist", file=sys.stderr)

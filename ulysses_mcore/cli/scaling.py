@@ -38,7 +38,7 @@ import time
 from typing import List
 
 from ..flags import explain
-from ..megatron.arguments import layout_problem
+from ..megatron.trainer.arguments import layout_problem
 from ..planning.step_time import (
     MODELS,
     PRESETS,
@@ -125,7 +125,7 @@ def _command(a, run: Run, lay: Layout, log_dir: str):
         str(_free_port()),
     ]
     if a.megatron_lm:
-        from ..megatron.patches import CPU_FLAGS
+        from ..megatron.compat.patches import CPU_FLAGS
 
         flags = (
             run.trainer_flags()
@@ -157,7 +157,7 @@ def _command(a, run: Run, lay: Layout, log_dir: str):
             *flags,
         ], env_path
     flags = run.trainer_flags() + lay.flags() + common + ["--timing", "--log-dir", log_dir]
-    return torchrun + ["-m", "ulysses_mcore.megatron.pretrain", *flags], os.environ.get("PYTHONPATH", "")
+    return torchrun + ["-m", "ulysses_mcore.megatron.trainer.pretrain", *flags], os.environ.get("PYTHONPATH", "")
 
 
 def _bar(done: int, total: int, width: int = 20) -> str:

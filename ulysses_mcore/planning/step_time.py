@@ -1,7 +1,7 @@
 """The layouts a world can run, and a step-time model of each (``ulysses-mcore sweep / fit / predict``).
 
 **Layouts.**  :func:`enumerate_layouts` walks every ``tp x ulysses x cp x pp x dp`` of a world
-and keeps the ones the trainer itself accepts (``ulysses_mcore.megatron.arguments.validate``:
+and keeps the ones the trainer itself accepts (``ulysses_mcore.megatron.trainer.arguments.validate``:
 ``Topology``, the head limits, the sequence split, the batch split) and whose step peak fits the
 memory budget (:mod:`ulysses_mcore.planning.memory_model`); every dropped layout comes back with its reason.
 
@@ -162,7 +162,7 @@ def enumerate_layouts(
 ) -> Tuple[List[Layout], Dict]:
     """(the layouts ``accepts`` takes and the budget holds, {dropped layout name: reason}).
     ``accepts(flags, world)``: the trainer's verdict on a layout's flags ("" or why not; the CLI
-    passes :func:`ulysses_mcore.megatron.arguments.layout_problem`); without it every layout that
+    passes :func:`ulysses_mcore.megatron.trainer.arguments.layout_problem`); without it every layout that
     divides the world is considered."""
     keep, dropped = [], {}
     for tp, u, cp, pp in itertools.product(*[_divisors(world)] * 4):

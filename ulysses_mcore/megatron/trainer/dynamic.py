@@ -11,11 +11,8 @@ out:
   documents at EOD, places them (:func:`~ulysses_mcore.planning.placement.place`) and builds its
   own cells' micro-batches: one packed stream per cell, this rank's contiguous share, the slot's
   group in Megatron's ``PackedSeqParams.cp_group`` (the field Megatron has for a per-micro-batch
-  context-parallel group), which :class:`~ulysses_mcore.megatron.module.UlyssesAttention` reads;
-* :class:`RotaryKernel` -- RoPE after the all-to-all: a cell's share on one rank is a contiguous
-  piece of its documents, which Megatron's RoPE (sliced by its fixed context-parallel group) cannot
-  place; after the exchange every token of the cell is on the rank, at its position in its document
-  (from ``cu_seqlens``, on the device), and Megatron's own RoPE function rotates q and k there.
+  context-parallel group), which :class:`~ulysses_mcore.megatron.layer.module.UlyssesAttention` reads;
+* RoPE after the all-to-all: :class:`~ulysses_mcore.megatron.layer.rotary.RotaryKernel`.
 """
 
 from __future__ import annotations
@@ -23,54 +20,19 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass
 from typing import Dict, List
 
 import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state as ps
-from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
-from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from ..agreement import agree, digest
-from ..planning.placement import Cell, Costs, Schedule, place, powers_of_two
-from ..planning.step_time import PRESETS, gpu_rates
-from .arguments import padded_vocab
-from .batch import document_positions, pack_batch
-
-
-@dataclass(frozen=True)
-class DynamicOptions:
-    """What a ``UlyssesAttention`` of ``--dynamic-ulysses`` needs: the largest degree (its heads are
-    checked against every power of two up to it) and whether it applies RoPE (after the exchange)."""
-
-    max_degree: int
-    rope: bool = True
-
-
-class RotaryKernel:
-    """An attention kernel with Megatron's RoPE applied to q and k first, each token at its position
-    in its document (``cu_seqlens`` of the full stream the exchange delivered: no host read)."""
-
-    def __init__(self, inner, config):
-        self.inner, self.config = inner, config
-        self.rotary = RotaryEmbedding(
-            kv_channels=config.kv_channels,
-            rotary_percent=1.0,
-            rotary_interleaved=config.rotary_interleaved,
-            use_cpu_initialization=config.use_cpu_initialization,
-        )
-
-    def __call__(self, q, k, v, *, cu_seqlens=None, **kw):
-        total = q.shape[0]
-        freqs = self.rotary(total, packed_seq=True)[document_positions(cu_seqlens, total)]
-        # Megatron's public RoPE with one frequency row per token (its [s, b, h, d] path); the group
-        # is read only by its fused packed-sequence path, which a per-token table never takes
-        q = apply_rotary_pos_emb(q, freqs, self.config, cp_group=dist.group.WORLD)
-        k = apply_rotary_pos_emb(k, freqs, self.config, cp_group=dist.group.WORLD)
-        return self.inner(q, k, v, cu_seqlens=cu_seqlens, **kw)
+from ulysses_mcore.agreement import agree, digest
+from ulysses_mcore.planning.placement import Cell, Costs, Schedule, place, powers_of_two
+from ulysses_mcore.planning.step_time import PRESETS, gpu_rates
+from ulysses_mcore.megatron.trainer.arguments import padded_vocab
+from ulysses_mcore.megatron.layer.batch import pack_batch
 
 
 class DynamicGroups:
@@ -249,4 +211,4 @@ def bucket_of(args, cap: int) -> int:
     return bucket
 
 
-__all__ = ["DynamicOptions", "RotaryKernel", "DynamicGroups", "DynamicBatches", "costs_of", "bucket_of"]
+__all__ = ["DynamicGroups", "DynamicBatches", "costs_of", "bucket_of"]

@@ -29,7 +29,7 @@ from typing import Dict, List
 
 import torch
 
-from .. import fakeworld as fw
+from ulysses_mcore import fakeworld as fw
 
 
 @dataclass
@@ -67,8 +67,8 @@ def _batch(args, topo, dynamic_groups):
     --dynamic-ulysses the largest degree's cell (two documents of 3/4 and 1/4 of it)."""
     from megatron.core import parallel_state as ps
 
-    from .batch import make_lm_batch, shard_batch
-    from .training import to_device
+    from ulysses_mcore.megatron.layer.batch import make_lm_batch, shard_batch
+    from ulysses_mcore.megatron.trainer.training import to_device
 
     mbs, seq = args.micro_batch_size, args.seq_length
     text = torch.randint(0, 256, (mbs, seq + 1))
@@ -87,8 +87,8 @@ def _dynamic_cell(args, topo, groups, text):
 
     from ulysses_mcore.planning.placement import Cell
 
-    from .batch import make_lm_batch
-    from .training import to_device
+    from ulysses_mcore.megatron.layer.batch import make_lm_batch
+    from ulysses_mcore.megatron.trainer.training import to_device
 
     U, per_rank = topo.ulysses, args.micro_batch_size * args.seq_length // topo.ulysses  # the fixed degree's load
     total = U * per_rank
@@ -204,7 +204,7 @@ def _forward(model, batch, docs):
 
     tracker = MemTracker()
     tracker.track_external(model)
-    from .training import model_forward
+    from ulysses_mcore.megatron.trainer.training import model_forward
 
     with fw.SdpaAsOnGpu(), fw.KernelLog() as log, fw.flop_counter(docs) as flops, tracker:
         loss = model_forward(model, batch)
@@ -215,7 +215,7 @@ class _FirstAttention:
     """Keeps the first core-attention call's inputs (a forward pre-hook), to run its backward alone."""
 
     def __init__(self, model):
-        from .module import UlyssesAttention
+        from ulysses_mcore.megatron.layer.module import UlyssesAttention
 
         self.call = None
         mods = [m for m in model.modules() if isinstance(m, UlyssesAttention)]
@@ -256,9 +256,9 @@ def _activation_gb(tracker) -> float:
 
 def run_rank(args, topo, label: str, rank: int, preset: str = "h100") -> RankReport:
     """One rank kind: a fresh fake world as ``rank``, the model, one forward, the attention's backward."""
-    from .fake_cuda import stand_ins
-    from .groups import destroy, initialize
-    from .pretrain import build_model
+    from ulysses_mcore.megatron.compat.fake_cuda import stand_ins
+    from ulysses_mcore.megatron.layer.groups import destroy, initialize
+    from ulysses_mcore.megatron.trainer.pretrain import build_model
 
     t0 = time.perf_counter()
     with fw.fake_world(topo.world_size, rank=rank), stand_ins():
@@ -276,7 +276,7 @@ def run_rank(args, topo, label: str, rank: int, preset: str = "h100") -> RankRep
         )
         groups = None
         if dynamic:
-            from .dynamic import DynamicGroups
+            from ulysses_mcore.megatron.trainer.dynamic import DynamicGroups
 
             groups = DynamicGroups(topo.world_size, topo.tp, topo.ulysses)
         try:
@@ -316,7 +316,7 @@ def run_rank(args, topo, label: str, rank: int, preset: str = "h100") -> RankRep
 
 def run(args, world_size: int, preset: str = "h100") -> List[RankReport]:
     """Every rank kind of the layout the flags give at ``world_size`` ranks."""
-    from .arguments import validate
+    from ulysses_mcore.megatron.trainer.arguments import validate
 
     topo = validate(args, world_size)
     return [run_rank(args, topo, label, rank, preset) for label, rank in rank_kinds(topo)]

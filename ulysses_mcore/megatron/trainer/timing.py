@@ -68,7 +68,7 @@ class StepTimer:
         dist.all_to_all_single = self._collective
         from megatron.core.transformer.mlp import MLP
 
-        from .module import UlyssesAttention
+        from ulysses_mcore.megatron.layer.module import UlyssesAttention
 
         for module in model.modules():
             if isinstance(module, UlyssesAttention):

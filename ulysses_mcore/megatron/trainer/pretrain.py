@@ -7,7 +7,7 @@ r"""The trainer: pretrain a GPT with Megatron-Core and Ulysses sequence parallel
 
 Megatron-LM's flag names and meanings.  NCCL on GPUs, gloo on CPU, chosen automatically.
 Without --data-path it trains on the embedded corpus (package data, byte-level tokens).
-``examples/pretrain_gpt.py`` and ``python -m ulysses_mcore.megatron.pretrain`` both run
+``examples/pretrain_gpt.py`` and ``python -m ulysses_mcore.megatron.trainer.pretrain`` both run
 :func:`main`.  The loop
 is Megatron-Core's: GPTModel from a Ulysses layer spec, DistributedDataParallel,
 get_megatron_optimizer + OptimizerParamScheduler, get_forward_backward_func (pipeline
@@ -28,9 +28,22 @@ import time
 import torch
 import torch.distributed as dist
 
-from .arguments import build_parser, check_output_dirs, corpus_dir, metrics_dir, padded_vocab, validate
-from .errors import is_collective_failure
-from .checkpoint import inspect_checkpoint, load_checkpoint, save_checkpoint, schedule_from_flags, trim_metrics
+from ulysses_mcore.megatron.trainer.arguments import (
+    build_parser,
+    check_output_dirs,
+    corpus_dir,
+    metrics_dir,
+    padded_vocab,
+    validate,
+)
+from ulysses_mcore.megatron.trainer.errors import is_collective_failure
+from ulysses_mcore.megatron.trainer.checkpoint import (
+    inspect_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    schedule_from_flags,
+    trim_metrics,
+)
 
 
 # ------------------------------------------------------------------------ main
@@ -48,7 +61,7 @@ def main(argv=None):
         signal.signal(signal.SIGTERM, lambda signum, frame: setattr(run, "signalled", True))
 
     from ulysses_mcore import lifetime
-    from ulysses_mcore.megatron import cpu_compat
+    from ulysses_mcore.megatron.compat import cpu_compat
 
     lifetime.children_die_with_this_process()  # a killed rank takes what it forked with it
 
@@ -101,7 +114,7 @@ def main(argv=None):
 
 def _release(run) -> None:
     """Every group this run made (--dynamic-ulysses' own, Megatron's), then the process group."""
-    from ulysses_mcore.megatron import groups
+    from ulysses_mcore.megatron.layer import groups
 
     if run.groups is not None:
         run.groups.destroy()
@@ -187,7 +200,7 @@ def _initialize(args, topo):
     torch.manual_seed(args.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
     if dynamic:
-        from .dynamic import DynamicGroups
+        from ulysses_mcore.megatron.trainer.dynamic import DynamicGroups
 
         groups = DynamicGroups(topo.world_size, topo.tp, topo.ulysses)
         if dist.get_rank() == 0:
@@ -207,7 +220,7 @@ class _Data:
     def __init__(self, args, groups=None):
         from megatron.core import parallel_state as ps
 
-        from ulysses_mcore.megatron import data as D
+        from ulysses_mcore.megatron.trainer import data as D
 
         self.args, self.tok = args, D.ByteTokenizer()
         G = args.global_batch_size
@@ -240,7 +253,7 @@ class _Data:
         self.dynamic = _dynamic_batches(args, self.tok, groups) if groups is not None else None
 
     def shard(self, mbs):
-        from ulysses_mcore.megatron.batch import pack_batch, reset_position_ids, shard_batch
+        from ulysses_mcore.megatron.layer.batch import pack_batch, reset_position_ids, shard_batch
 
         args = self.args
         if self.dynamic is not None:  # the global batch placed document by document (docs/dynamic.md)
@@ -254,7 +267,7 @@ class _Data:
         return [shard_batch(mb, load_balanced=True) for mb in mbs]
 
     def announce(self, consumed):
-        from ulysses_mcore.megatron.batch import document_boundaries
+        from ulysses_mcore.megatron.layer.batch import document_boundaries
 
         args = self.args
         if args.reset_attention_mask and dist.get_rank() == 0:
@@ -275,7 +288,7 @@ def _agree_on_boundaries(packed) -> None:
     attention over boundaries that differ (which no later call checks)."""
     from megatron.core import parallel_state as ps
 
-    from ..agreement import agree, digest
+    from ulysses_mcore.agreement import agree, digest
 
     group = ps.get_context_parallel_group()
     if dist.get_world_size(group) == 1:
@@ -290,7 +303,7 @@ def _agree_on_boundaries(packed) -> None:
 
 
 def _dynamic_batches(args, tok, groups):
-    from .dynamic import DynamicBatches, bucket_of, costs_of
+    from ulysses_mcore.megatron.trainer.dynamic import DynamicBatches, bucket_of, costs_of
 
     cap = args.micro_batch_size * args.seq_length // args.ulysses_degree
     return DynamicBatches(
@@ -333,7 +346,7 @@ def _build_model(args):
     model for every tp / pp / ulysses / cp / dp layout (one --seed)."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from ulysses_mcore.megatron import training
+    from ulysses_mcore.megatron.trainer import training
 
     model, cfg = build_model(args)
     training.init_layout_independent(model, cfg, args.seed)
@@ -363,15 +376,15 @@ def build_model(args, *, vocab_size=None, wrap_ddp: bool = True, **config):
     """(GPTModel of the flags, in Megatron's DDP unless ``wrap_ddp=False``; its TransformerConfig):
     the trainer's model, also the dry run's (``vocab_size``: another vocabulary than the byte
     tokenizer's; ``config``: TransformerConfig keywords over the flags')."""
-    from ulysses_mcore.megatron import training
-    from ulysses_mcore.megatron.specs import get_ulysses_layer_spec
+    from ulysses_mcore.megatron.trainer import training
+    from ulysses_mcore.megatron.layer.specs import get_ulysses_layer_spec
 
     te = args.transformer_impl == "transformer_engine"
     backend = args.attention_backend if args.attention_backend != "auto" else ("te" if te else "sdpa")
     cfg = training.gpt_config(**(_config_of(args) | config))
     dynamic = None
     if args.dynamic_ulysses:  # RoPE moves into the attention, after the exchange (docs/dynamic.md)
-        from .dynamic import DynamicOptions
+        from ulysses_mcore.megatron.layer.rotary import DynamicOptions
 
         dynamic = DynamicOptions(args.ulysses_degree, rope=args.position_embedding_type == "rope")
     model = training.build_gpt(
@@ -390,7 +403,7 @@ def build_model(args, *, vocab_size=None, wrap_ddp: bool = True, **config):
         wrap_ddp=wrap_ddp,
     )
     if args.loss_chunk_tokens:
-        from ulysses_mcore.megatron.memory import enable_chunked_loss
+        from ulysses_mcore.megatron.layer.memory import enable_chunked_loss
 
         enable_chunked_loss(model.module if wrap_ddp else model, args.loss_chunk_tokens)
     return model, cfg
@@ -488,8 +501,8 @@ class _Timing:
     def __init__(self, args, model, optimizer, groups=None):
         import json
 
-        from . import groups as built
-        from .timing import StepTimer
+        from ulysses_mcore.megatron.layer import groups as built
+        from ulysses_mcore.megatron.trainer.timing import StepTimer
 
         a2a = built.get_ulysses_group()
         if groups is not None:  # --dynamic-ulysses: every degree's groups this rank is in
@@ -507,7 +520,7 @@ class _Timing:
 
 def _iteration(args, run, data, model, optimizer, scheduler, log, use_cuda):
     """One training iteration, its log line and row, and the evaluation when it is due."""
-    from ulysses_mcore.megatron import training
+    from ulysses_mcore.megatron.trainer import training
 
     G, t0 = args.global_batch_size, time.perf_counter()
     mbs = data.shard(data.sampler.microbatches(run.consumed))
@@ -528,7 +541,7 @@ def _iteration(args, run, data, model, optimizer, scheduler, log, use_cuda):
     if m["skipped"] and log:
         print(f"[ulysses-mcore] {m['message']}: update skipped (--on-nan skip)", flush=True)
     if log and run.iteration % args.log_interval == 0:
-        from .timing import peak_gb
+        from ulysses_mcore.megatron.trainer.timing import peak_gb
 
         peak = peak_gb()
         tps = G * args.seq_length / dt
@@ -568,7 +581,7 @@ def _log_schedule(last: dict, step_seconds: float) -> None:
 
 
 def _evaluate(args, run, data, model, log):
-    from ulysses_mcore.megatron import training
+    from ulysses_mcore.megatron.trainer import training
 
     G = args.global_batch_size
     losses = [

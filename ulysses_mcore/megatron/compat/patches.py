@@ -21,7 +21,7 @@ What :func:`apply` does (idempotent; :func:`remove` undoes it):
    loss mask and positions in dual-chunk order, RoPE is sliced the same way, DDP reduces
    gradients over ``dp x cp`` and the loss is averaged over the right ranks.
 2. ``parallel_state.initialize_model_parallel`` records the layout (for
-   ``ulysses_mcore.megatron.groups.get_topology``); :class:`ulysses_mcore.UlyssesAttention` takes
+   ``ulysses_mcore.megatron.layer.groups.get_topology``); :class:`ulysses_mcore.UlyssesAttention` takes
    its groups from the ``pg_collection`` Megatron hands it (the CP group, or its two
    hierarchical levels as ``hierarchical_context_parallel_sizes`` says).
 3. The GPT layer-spec functions of megatron-core (local, Transformer Engine, decoder
@@ -222,7 +222,7 @@ def _wrap_init(fn):
     @functools.wraps(fn)
     def initialize_model_parallel(*a, **kw):
         out = fn(*a, **kw)
-        from ulysses_mcore.megatron.groups import remember
+        from ulysses_mcore.megatron.layer.groups import remember
 
         remember(_topology_of_parallel_state())
         if _STATE["ulysses"] > 1:
@@ -263,7 +263,7 @@ def _topology_of_parallel_state():
 def _wrap_spec(fn, default_backend):
     @functools.wraps(fn)
     def spec_fn(*a, **kw):
-        from ulysses_mcore.megatron.specs import swap_core_attention, swap_mlp
+        from ulysses_mcore.megatron.layer.specs import swap_core_attention, swap_mlp
 
         spec = fn(*a, **kw)
         if _STATE.get("mlp_chunk"):
@@ -306,7 +306,7 @@ def _wrap_setup_model(fn):
         out = fn(*a, **kw)
         models = out[0]
         if _STATE.get("loss_chunk"):
-            from ulysses_mcore.megatron.memory import enable_chunked_loss
+            from ulysses_mcore.megatron.layer.memory import enable_chunked_loss
 
             for m in models if isinstance(models, list) else [models]:
                 core = m

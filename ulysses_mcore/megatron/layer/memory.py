@@ -10,7 +10,7 @@ Ulysses divides activations by P, but two transients of every step do not shrink
 * the **MLP intermediate** ``[tokens, ffn/tp]`` (gate and up for SwiGLU) of every layer:
   :func:`tiled_mlp_class` is Megatron's ``MLP`` run over token chunks, each chunk's
   intermediates recomputed in backward (``torch.utils.checkpoint``), chosen through the layer
-  spec (:func:`ulysses_mcore.megatron.specs.swap_mlp`).
+  spec (:func:`ulysses_mcore.megatron.layer.specs.swap_mlp`).
 
 Both are exact: the same per-token losses and gradients as the unchunked model up to
 floating-point summation order (tests/test_memory.py: 1e-5 relative in fp32).

@@ -31,7 +31,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from .errors import is_collective_failure
+from ulysses_mcore.megatron.trainer.errors import is_collective_failure
 
 MANIFEST = "ulysses_manifest.json"
 TRAIN_STATE = "train_state.pt"
@@ -221,7 +221,7 @@ def writer_helpers_die_with_this_rank() -> None:
     import multiprocessing as mp
     from multiprocessing.managers import SyncManager
 
-    from ..lifetime import children_die_with_this_process, die_with_parent
+    from ulysses_mcore.lifetime import children_die_with_this_process, die_with_parent
 
     children_die_with_this_process()
     try:

@@ -38,7 +38,7 @@ def document_boundaries(tokens: torch.Tensor, eod_token_id: int) -> torch.Tensor
 def document_mask(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     """The dense equivalent ``[1, 1, total, total]`` (True = masked: different documents);
     what Megatron-LM builds for ``--reset-attention-mask``.  For references and small runs."""
-    from ..orders import document_ids
+    from ulysses_mcore.orders import document_ids
 
     d = document_ids(cu_seqlens, total)
     return (d[:, None] != d[None, :])[None, None]
@@ -72,7 +72,7 @@ def packed_seq_params(cu_seqlens: torch.Tensor, total: Optional[int] = None):
 
 def document_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     """Position of each token of a packed stream inside its own document (restarting at 0)."""
-    from ..orders import document_ids
+    from ulysses_mcore.orders import document_ids
 
     return torch.arange(total, device=cu_seqlens.device) - cu_seqlens.long()[document_ids(cu_seqlens, total)]
 

@@ -14,7 +14,7 @@ from typing import Optional, Union
 
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from .module import UlyssesAttention
+from ulysses_mcore.megatron.layer.module import UlyssesAttention
 
 
 def _same(new, old) -> bool:
@@ -80,7 +80,7 @@ def _rewrite(spec, replace):
 def swap_core_attention(spec, *, backend: Union[str, object] = "sdpa", ulysses_group=None, dynamic=None):
     """``spec`` with every self-attention ``core_attention`` made Ulysses (a layer spec, a
     ``TransformerBlockSubmodules`` or any nesting; see :func:`_rewrite`).  ``dynamic``: the
-    :class:`~ulysses_mcore.megatron.module.DynamicOptions` of ``--dynamic-ulysses``.  Raises if
+    :class:`~ulysses_mcore.megatron.layer.module.DynamicOptions` of ``--dynamic-ulysses``.  Raises if
     nothing was swapped."""
     params = {"backend": backend}
     if dynamic is not None:
@@ -111,11 +111,11 @@ def swap_core_attention(spec, *, backend: Union[str, object] = "sdpa", ulysses_g
 def swap_mlp(spec, *, chunk_tokens: int):
     """``spec`` with every dense Megatron ``MLP`` (a ``ModuleSpec(module=MLP)`` or 0.19's
     ``partial(MLP.as_mlp_submodule, ...)``) made sequence-tiled
-    (:func:`ulysses_mcore.megatron.memory.tiled_mlp_class`).  MoE experts are left alone.
+    (:func:`ulysses_mcore.megatron.layer.memory.tiled_mlp_class`).  MoE experts are left alone.
     Raises if there is no dense MLP."""
     from megatron.core.transformer.mlp import MLP
 
-    from .memory import tiled_mlp_class
+    from ulysses_mcore.megatron.layer.memory import tiled_mlp_class
 
     tiled = tiled_mlp_class(int(chunk_tokens))
     count = [0]
@@ -172,7 +172,7 @@ def get_ulysses_layer_spec(
     ``get_gpt_layer_with_transformer_engine_spec`` with the inner kernel TE's
     ``DotProductAttention`` (its own context parallelism off), ``backend`` default ``"te"``.
     ``mlp_chunk_tokens``: the MLP sequence-tiled (:func:`swap_mlp`).  ``dynamic``: a degree per
-    micro-batch (``--dynamic-ulysses``, :class:`~ulysses_mcore.megatron.module.DynamicOptions`).
+    micro-batch (``--dynamic-ulysses``, :class:`~ulysses_mcore.megatron.layer.module.DynamicOptions`).
     Extra keywords go to the Megatron spec function."""
     from megatron.core.models.gpt import gpt_layer_specs as g
 

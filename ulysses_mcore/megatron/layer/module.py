@@ -1,7 +1,7 @@
 """``UlyssesAttention``: Megatron-Core's ``core_attention`` slot filled with Ulysses.
 
 Builder keywords and forward signature are Megatron's, so it goes into a layer spec in place of
-``DotProductAttention`` / ``TEDotProductAttention`` (:mod:`ulysses_mcore.megatron.specs`).  The
+``DotProductAttention`` / ``TEDotProductAttention`` (:mod:`ulysses_mcore.megatron.layer.specs`).  The
 groups are given, one way each: by the caller (``ulysses_group`` / ``ring_group``), or by
 Megatron -- the ``pg_collection`` it hands the layer (parallel_state's when it hands none): its
 context-parallel group, split into its two hierarchical levels when the config's
@@ -22,12 +22,12 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import is_layer_window_attention
 
-from ..call import CallCache
-from ..backends import Kernel
-from ..exchange import head_layout_error
-from ..options import NO_TENSORS, CallSite, CallTensors, attention_options
-from ..orders import LastOf
-from ..planning.placement import powers_of_two
+from ulysses_mcore.call import CallCache
+from ulysses_mcore.backends import Kernel
+from ulysses_mcore.exchange import head_layout_error
+from ulysses_mcore.options import NO_TENSORS, CallSite, CallTensors, attention_options
+from ulysses_mcore.orders import LastOf
+from ulysses_mcore.planning.placement import powers_of_two
 
 
 def _size(group) -> int:
@@ -126,7 +126,7 @@ class UlyssesAttention(MegatronModule):
 
     With ``config.context_parallel_size = ulysses x cp`` the ring group runs ring attention
     after the all-to-all.  ``packed_seq_params`` (``thd``): ``cu_seqlens_q`` are the global
-    document boundaries of the packed stream (:func:`ulysses_mcore.megatron.batch.packed_seq_params`);
+    document boundaries of the packed stream (:func:`ulysses_mcore.megatron.layer.batch.packed_seq_params`);
     with ``cu_seqlens_q_padded`` (Megatron-LM / TE: documents padded between each other) the
     tokens sit at the padded offsets and the pads are neither queries nor keys.
     """
@@ -190,16 +190,16 @@ class UlyssesAttention(MegatronModule):
     def _rotary(self, config):
         """--dynamic-ulysses: RoPE after the exchange, around the kernel (docs/dynamic.md); a plain
         object, not a child module (it holds no state)."""
-        from ..backends import resolve
-        from .dynamic import RotaryKernel
+        from ulysses_mcore.backends import resolve
+        from ulysses_mcore.megatron.layer.rotary import RotaryKernel
 
         return RotaryKernel(self.te_attention or resolve(self.backend), config)
 
     def _te_child(self, dv: int):
         """Transformer Engine's attention for the heads this rank holds after the exchange, built once
         from the spec's layer: a child module (layer number, FP8 metadata, state in checkpoints)."""
-        from ..backends import TEAttention, backend_error
-        from ..exchange import HeadPlan
+        from ulysses_mcore.backends import TEAttention, backend_error
+        from ulysses_mcore.exchange import HeadPlan
 
         err = backend_error("te")
         if err:

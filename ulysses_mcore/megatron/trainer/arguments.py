@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from ..flags import explain
+from ulysses_mcore.flags import explain
 
 
 def build_parser(description: str = "") -> argparse.ArgumentParser:
@@ -575,7 +575,7 @@ def validate(args, world_size: int):
 def padded_vocab(args) -> int:
     """The vocabulary padded to a multiple of --make-vocab-size-divisible-by (not x tp, unlike
     Megatron-LM, so that checkpoints reshard across tp)."""
-    from ulysses_mcore.megatron.data import ByteTokenizer
+    from ulysses_mcore.megatron.trainer.data import ByteTokenizer
 
     m = args.make_vocab_size_divisible_by
     return int(math.ceil(ByteTokenizer().vocab_size / m) * m)

@@ -4,7 +4,7 @@ Nothing here re-implements Megatron: the model is ``GPTModel`` built from a Ulys
 spec, wrapped in Megatron's ``DistributedDataParallel``; the optimizer comes from
 ``get_megatron_optimizer``; a step is ``get_forward_backward_func()`` (pipeline schedules
 with micro-batches) followed by ``optimizer.step()``.  Loss is token-weighted
-(:mod:`ulysses_mcore.megatron.loss`).
+(:mod:`ulysses_mcore.megatron.trainer.loss`).
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ from typing import Dict, List
 
 import torch
 
-from .loss import check_config, global_mean, masked_token_loss
-from .specs import get_ulysses_layer_spec
+from ulysses_mcore.megatron.trainer.loss import check_config, global_mean, masked_token_loss
+from ulysses_mcore.megatron.layer.specs import get_ulysses_layer_spec
 
 
 def _cp_levels():
     """``[ulysses, ring]`` of the layout :func:`ulysses_mcore.initialize` built, when it has a ring."""
-    from .groups import _BUILT
+    from ulysses_mcore.megatron.layer.groups import _BUILT
 
     topo = _BUILT.get("topology")
     return [topo.ulysses, topo.cp] if topo is not None and topo.cp > 1 else None
@@ -61,7 +61,7 @@ def training_device() -> torch.device:
     before DDP wraps it (:func:`build_gpt`), every batch in the forward step (:func:`to_device`)."""
     import torch.distributed as dist
 
-    from ..validation import is_fake_group
+    from ulysses_mcore.validation import is_fake_group
 
     if dist.is_initialized() and is_fake_group(None):  # the dry run: fake CUDA, no GPU
         return torch.device("cuda", 0)

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from ..topology import Topology
+from ulysses_mcore.topology import Topology
 
 _BUILT: dict = {}  # the Topology initialize() (or the Megatron-LM patches) built, for get_topology()
 

@@ -22,7 +22,8 @@ from typing import Iterable, Iterator, List, Optional
 import numpy as np
 import torch
 
-EMBEDDED_CORPUS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "corpus", "kjv_genesis_exodus.jsonl")
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # ulysses_mcore/
+EMBEDDED_CORPUS = os.path.join(_PACKAGE, "corpus", "kjv_genesis_exodus.jsonl")
 
 
 class ByteTokenizer:

@@ -6,7 +6,7 @@ state (the RNG tracker's ``fork`` around dropout and initialisation, activation 
 state) and pinned host memory
 (``get_pos_emb_on_this_cp_rank``).  Inside :func:`stand_ins` each answers as it would on device 0
 of a GPU node; nothing else of Megatron changes, and everything is restored on exit.  Used by the
-dry run only (:mod:`ulysses_mcore.megatron.dryrun`).
+dry run only (:mod:`ulysses_mcore.megatron.trainer.dryrun`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,2 @@
+"""This package's Megatron trainer: flags, loop, model, data, loss, checkpoints, timing,
+--dynamic-ulysses, the dry run."""
