@@ -13,17 +13,17 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "ulysses_attention": "attention",
-    "UlyssesAttention": "megatron.module",
+    "UlyssesAttention": "megatron.layer.module",
     "new_sequence_groups": "attention",
     "release": "attention",
     "HeadPlan": "exchange",
     "seq_to_head": "exchange",
     "head_to_seq": "exchange",
-    "get_ulysses_group": "megatron.groups",
+    "get_ulysses_group": "megatron.layer.groups",
     "Topology": "topology",
     "TopologyError": "topology",
-    "initialize": "megatron.groups",
-    "get_ulysses_layer_spec": "megatron.specs",
+    "initialize": "megatron.layer.groups",
+    "get_ulysses_layer_spec": "megatron.layer.specs",
 }
 
 __all__ = sorted(_EXPORTS)

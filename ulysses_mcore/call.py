@@ -27,7 +27,8 @@ from .exchange import HeadPlan, OutRoute, exchange_out, exchange_qkv, kv_index, 
 from .agreement import agree_call, digest
 from .options import NO_TENSORS, CallSite, CallTensors
 from .orders import token_orders
-from .validation import check_call, has_values
+from .checks import has_values
+from .validation import check_call
 
 
 # how each per-call field enters a signature: "tensor" (shape, dtype, device, requires_grad),
