@@ -15,6 +15,10 @@ from __future__ import annotations
 from typing import Dict, Optional
 
 import torch
+from megatron.core import parallel_state as ps
+from megatron.core.packed_seq_params import PackedSeqParams
+
+from ulysses_mcore.orders import document_ids
 
 SEQ_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 
@@ -38,8 +42,6 @@ def document_boundaries(tokens: torch.Tensor, eod_token_id: int) -> torch.Tensor
 def document_mask(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     """The dense equivalent ``[1, 1, total, total]`` (True = masked: different documents);
     what Megatron-LM builds for ``--reset-attention-mask``.  For references and small runs."""
-    from ulysses_mcore.orders import document_ids
-
     d = document_ids(cu_seqlens, total)
     return (d[:, None] != d[None, :])[None, None]
 
@@ -54,8 +56,6 @@ def packed_seq_params(cu_seqlens: torch.Tensor, total: Optional[int] = None):
     stream position, sliced exactly like the tokens.  RoPE scores depend only on the
     *difference* of two positions, and attention never crosses a document, so this equals
     per-document positions (``--reset-position-ids``) exactly in real arithmetic."""
-    from megatron.core.packed_seq_params import PackedSeqParams
-
     cu = cu_seqlens.to(torch.int32)
     total = int(cu[-1]) if total is None else total
     whole = torch.tensor([0, total], dtype=torch.int32, device=cu.device)
@@ -72,8 +72,6 @@ def packed_seq_params(cu_seqlens: torch.Tensor, total: Optional[int] = None):
 
 def document_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     """Position of each token of a packed stream inside its own document (restarting at 0)."""
-    from ulysses_mcore.orders import document_ids
-
     return torch.arange(total, device=cu_seqlens.device) - cu_seqlens.long()[document_ids(cu_seqlens, total)]
 
 
@@ -183,8 +181,6 @@ def shard_batch(
     place in the sample group (Ulysses x ring cp, Megatron's CP group);
     ``load_balanced`` defaults to ``degree > 1``'s Megatron convention (True)."""
     if rank is None or degree is None:
-        from megatron.core import parallel_state as ps
-
         rank = ps.get_context_parallel_rank() if rank is None else rank
         degree = ps.get_context_parallel_world_size() if degree is None else degree
     if load_balanced is None:

@@ -12,9 +12,12 @@ group is Megatron's first hierarchical-CP level (or the whole CP group when ``cp
 
 from __future__ import annotations
 
+import gc
 from typing import Optional
 
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.process_groups_config import ProcessGroupCollection
 
 from ulysses_mcore.topology import Topology
 
@@ -44,8 +47,6 @@ def initialize(
     checks run first when heads / sequence length are given, on every rank before any
     collective, so a bad configuration raises the same error everywhere.
     """
-    from megatron.core import parallel_state as ps
-
     if not dist.is_initialized():
         raise RuntimeError("ulysses_mcore.initialize needs torch.distributed.init_process_group() first")
     topo = Topology(dist.get_world_size(), tp=tp, ulysses=ulysses, cp=cp, pp=pp, ep=ep, order=order)
@@ -90,8 +91,6 @@ def sequence_groups_of_parallel_state(ulysses: int, cp: int):
     """``(ulysses_group, ring_group)`` inside Megatron's initialised context-parallel axis of
     ``ulysses x cp`` ranks: the whole CP group without a ring, else its two hierarchical levels
     (Ulysses inner).  ``None`` for a degree of 1."""
-    from megatron.core import parallel_state as ps
-
     if cp == 1:
         return (ps.get_context_parallel_group() if ulysses > 1 else None), None
     ulysses_group, ring = ps.get_hierarchical_context_parallel_groups()[:2]
@@ -105,8 +104,6 @@ def remember(topology) -> None:
 
 def _verify(topo: Topology, rank: int, ulysses_group, ring) -> None:
     """Megatron's groups for this rank must be the ones the pure math predicts."""
-    from megatron.core import parallel_state as ps
-
     checks = {
         "tp": ps.get_tensor_model_parallel_group(),
         "pp": ps.get_pipeline_model_parallel_group(),
@@ -164,40 +161,31 @@ def _sequence_groups():
 
 
 def get_tensor_parallel_group():
-    from megatron.core import parallel_state as ps
 
     return ps.get_tensor_model_parallel_group()
 
 
 def get_pipeline_parallel_group():
-    from megatron.core import parallel_state as ps
 
     return ps.get_pipeline_model_parallel_group()
 
 
 def get_data_parallel_group():
     """Pure data parallel: ranks holding different samples, same tokens positions."""
-    from megatron.core import parallel_state as ps
-
     return ps.get_data_parallel_group()
 
 
 def get_gradient_reduction_group():
     """dp x ulysses x cp: weights are replicated over it, so gradients are reduced over it."""
-    from megatron.core import parallel_state as ps
-
     return ps.get_data_parallel_group(with_context_parallel=True)
 
 
 def get_sample_group():
     """ulysses x cp: the ranks that read the same sample (each a shard of its tokens)."""
-    from megatron.core import parallel_state as ps
-
     return ps.get_context_parallel_group()
 
 
 def get_embedding_group():
-    from megatron.core import parallel_state as ps
 
     return ps.get_embedding_group()
 
@@ -205,8 +193,6 @@ def get_embedding_group():
 def get_pg_collection():
     """Megatron's ``ProcessGroupCollection`` of the current groups (its context-parallel group is
     Ulysses x ring, its ``hcp`` the two levels when there is a ring)."""
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
     return ProcessGroupCollection.use_mpu_process_groups()
 
 
@@ -221,10 +207,6 @@ def destroy() -> None:
     """Tear down Megatron's parallel_state, destroy the process groups :func:`initialize` made
     (Megatron only drops its references: re-initialising would pile up gloo groups and their
     threads, hundreds per rank) and forget the Ulysses groups."""
-    import gc
-
-    from megatron.core import parallel_state as ps
-
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     gc.collect()  # models and optimizers of the old layout sit in reference cycles that hold its groups

@@ -31,6 +31,10 @@ import types
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel import mappings
+from megatron.core.transformer.mlp import MLP
+from torch.utils.checkpoint import checkpoint
 
 
 # ------------------------------------------------------------------------ loss
@@ -105,8 +109,6 @@ def chunked_cross_entropy(
 ):
     """Per-token losses ``[b, s]`` from ``hidden [s(/tp), b, h]`` and ``labels [b, s]``, the
     output projection and cross-entropy computed ``chunk_tokens`` tokens at a time."""
-    from megatron.core.tensor_parallel import mappings
-
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
         if sequence_parallel:  # all-gather the sequence shards; backward: reduce-scatter the partial grads
             hidden = mappings.gather_from_sequence_parallel_region(
@@ -152,7 +154,6 @@ def enable_chunked_loss(model, chunk_tokens: int):
         return hidden_states, None  # the "logits" that compute_language_model_loss receives
 
     def loss_fn(self, labels, hidden_states):
-        from megatron.core import parallel_state as ps
 
         weight, state["weight"] = state["weight"], None
         tp_group = getattr(out, "tp_group", None) or ps.get_tensor_model_parallel_group()
@@ -188,7 +189,6 @@ class _TiledMLPMixin:
     chunk_tokens = 0
 
     def forward(self, hidden_states, *args, **kwargs):
-        from torch.utils.checkpoint import checkpoint
 
         parent = super().forward
         s, b = hidden_states.shape[0], hidden_states.shape[1]
@@ -217,7 +217,7 @@ class _KindOfMLP(type):
 def tiled_mlp_class(chunk_tokens: int, base=None):
     """A subclass of Megatron's ``MLP`` (or ``base``) that tiles ``chunk_tokens`` tokens at a time."""
     if base is None:
-        from megatron.core.transformer.mlp import MLP as base
+        base = MLP
     if chunk_tokens < 1:
         raise ValueError(f"--mlp-chunk-tokens must be >= 1, got {chunk_tokens}")
     return _KindOfMLP(

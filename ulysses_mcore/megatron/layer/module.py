@@ -18,13 +18,17 @@ from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.utils import is_layer_window_attention
+from megatron.core.transformer.utils import is_layer_window_attention, make_sharded_tensors_for_checkpoint
 
+from ulysses_mcore.backends import Kernel, TEAttention, backend_error, resolve
 from ulysses_mcore.call import CallCache
-from ulysses_mcore.backends import Kernel
-from ulysses_mcore.exchange import head_layout_error
+from ulysses_mcore.exchange import HeadPlan, head_layout_error
+from ulysses_mcore.megatron.layer.rotary import RotaryKernel
 from ulysses_mcore.options import NO_TENSORS, CallSite, CallTensors, attention_options
 from ulysses_mcore.orders import LastOf
 from ulysses_mcore.planning.placement import powers_of_two
@@ -42,9 +46,6 @@ def _or_none(group):
 def _mpu_collection():
     """Megatron's collection of parallel_state's groups (for a module built without one), or
     ``None`` before parallel_state is initialised."""
-    from megatron.core import parallel_state
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
     if not parallel_state.model_parallel_is_initialized():
         return None
     return ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp", "hcp"])
@@ -97,7 +98,6 @@ def _tp_size_and_rank(tp_group):
     """Tensor-parallel (size, rank): of Megatron's ``pg_collection.tp`` when given, else of parallel_state."""
     if tp_group is not None:
         return dist.get_world_size(tp_group), dist.get_rank(tp_group)
-    from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
         return 1, 0
@@ -190,17 +190,11 @@ class UlyssesAttention(MegatronModule):
     def _rotary(self, config):
         """--dynamic-ulysses: RoPE after the exchange, around the kernel (docs/dynamic.md); a plain
         object, not a child module (it holds no state)."""
-        from ulysses_mcore.backends import resolve
-        from ulysses_mcore.megatron.layer.rotary import RotaryKernel
-
         return RotaryKernel(self.te_attention or resolve(self.backend), config)
 
     def _te_child(self, dv: int):
         """Transformer Engine's attention for the heads this rank holds after the exchange, built once
         from the spec's layer: a child module (layer number, FP8 metadata, state in checkpoints)."""
-        from ulysses_mcore.backends import TEAttention, backend_error
-        from ulysses_mcore.exchange import HeadPlan
-
         err = backend_error("te")
         if err:
             raise ValueError(f"UlyssesAttention(backend='te'): {err}")
@@ -259,7 +253,6 @@ class UlyssesAttention(MegatronModule):
             self.register_buffer("softmax_offset", torch.zeros(self.num_q_heads), persistent=False)
         elif self.softmax_type == "learnable":
             self.softmax_offset = torch.nn.Parameter(self._initial_sinks(config, config.num_attention_heads))
-            from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
             set_tensor_model_parallel_attributes(self.softmax_offset, True, 0, 1)
         elif self.softmax_type == "vanilla":
@@ -353,8 +346,6 @@ class UlyssesAttention(MegatronModule):
         learnable = self.softmax_type == "learnable"
         if not learnable and self.te_attention is None:
             return {}
-        from megatron.core import parallel_state
-        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
         kw = {}
         params = inspect.signature(make_sharded_tensors_for_checkpoint).parameters

@@ -12,8 +12,12 @@ import copy
 import functools
 from typing import Optional, Union
 
+from megatron.core.models.gpt import gpt_layer_specs as g
+from megatron.core.transformer import multi_latent_attention as mla
+from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from ulysses_mcore.megatron.layer.memory import tiled_mlp_class
 from ulysses_mcore.megatron.layer.module import UlyssesAttention
 
 
@@ -80,7 +84,7 @@ def _rewrite(spec, replace):
 def swap_core_attention(spec, *, backend: Union[str, object] = "sdpa", ulysses_group=None, dynamic=None):
     """``spec`` with every self-attention ``core_attention`` made Ulysses (a layer spec, a
     ``TransformerBlockSubmodules`` or any nesting; see :func:`_rewrite`).  ``dynamic``: the
-    :class:`~ulysses_mcore.megatron.layer.module.DynamicOptions` of ``--dynamic-ulysses``.  Raises if
+    :class:`~ulysses_mcore.megatron.layer.rotary.DynamicOptions` of ``--dynamic-ulysses``.  Raises if
     nothing was swapped."""
     params = {"backend": backend}
     if dynamic is not None:
@@ -113,10 +117,6 @@ def swap_mlp(spec, *, chunk_tokens: int):
     ``partial(MLP.as_mlp_submodule, ...)``) made sequence-tiled
     (:func:`ulysses_mcore.megatron.layer.memory.tiled_mlp_class`).  MoE experts are left alone.
     Raises if there is no dense MLP."""
-    from megatron.core.transformer.mlp import MLP
-
-    from ulysses_mcore.megatron.layer.memory import tiled_mlp_class
-
     tiled = tiled_mlp_class(int(chunk_tokens))
     count = [0]
 
@@ -148,8 +148,6 @@ def _mla_without_transformer_engine() -> None:
     module's ``HAVE_TE``, which its import sets True even where Transformer Engine is absent
     (``TELinear`` is then None and the check raises ``TypeError``).  Without TE there is no
     ``TELinear`` to find: tell that module so.  Nothing changes where TE is installed."""
-    from megatron.core.transformer import multi_latent_attention as mla
-
     if getattr(mla, "HAVE_TE", False) and not isinstance(getattr(mla, "TELinear", None), type):
         mla.HAVE_TE = False
 
@@ -172,10 +170,8 @@ def get_ulysses_layer_spec(
     ``get_gpt_layer_with_transformer_engine_spec`` with the inner kernel TE's
     ``DotProductAttention`` (its own context parallelism off), ``backend`` default ``"te"``.
     ``mlp_chunk_tokens``: the MLP sequence-tiled (:func:`swap_mlp`).  ``dynamic``: a degree per
-    micro-batch (``--dynamic-ulysses``, :class:`~ulysses_mcore.megatron.layer.module.DynamicOptions`).
+    micro-batch (``--dynamic-ulysses``, :class:`~ulysses_mcore.megatron.layer.rotary.DynamicOptions`).
     Extra keywords go to the Megatron spec function."""
-    from megatron.core.models.gpt import gpt_layer_specs as g
-
     if base == "local":
         spec = g.get_gpt_layer_local_spec(
             num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm, qk_layernorm=qk_layernorm, **kwargs

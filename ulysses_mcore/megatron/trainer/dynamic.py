@@ -24,15 +24,14 @@ from typing import Dict, List
 
 import torch
 import torch.distributed as dist
-
 from megatron.core import parallel_state as ps
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from ulysses_mcore.agreement import agree, digest
+from ulysses_mcore.megatron.layer.batch import pack_batch
+from ulysses_mcore.megatron.trainer.arguments import padded_vocab
 from ulysses_mcore.planning.placement import Cell, Costs, Schedule, place, powers_of_two
 from ulysses_mcore.planning.step_time import PRESETS, gpu_rates
-from ulysses_mcore.megatron.trainer.arguments import padded_vocab
-from ulysses_mcore.megatron.layer.batch import pack_batch
 
 
 class DynamicGroups:
@@ -84,7 +83,6 @@ class DynamicBatches:
     def microbatches(self, samples: List[Dict[str, torch.Tensor]]) -> List[Dict]:
         """``samples``: the global batch as micro-batches ``[mbs, s]`` (every rank the same, in the
         fixed degree's order); returns this rank's cells as packed micro-batches, in slot order."""
-
         whole = {k: torch.cat([mb[k] for mb in samples]) for k in SEQ}
         stream = pack_batch(whole, self.eod, reset_positions=self.reset_positions)
         cu = stream["cu_seqlens"].tolist()
@@ -111,7 +109,6 @@ class DynamicBatches:
     def _agree(self, lengths) -> None:
         """One all-reduce a step over the ranks that share this placement: they must have read the same
         documents (else their cells' shapes differ and an all-to-all would abort the process)."""
-
         if not agree(digest(tuple(lengths)), ps.get_data_parallel_group()):
             raise ValueError(
                 "--dynamic-ulysses: the ranks read different global batches (their documents' lengths differ), "
@@ -121,7 +118,6 @@ class DynamicBatches:
 
     def _cell(self, stream, cu, lengths, cell: Cell) -> Dict:
         """This rank's contiguous share of ``cell``'s packed stream (its documents, then one pad document)."""
-
         pieces = [torch.arange(cu[i], cu[i + 1]) for i in cell.docs]
         index = torch.cat(pieces)
         full = {k: stream[k][0, index] for k in SEQ}
@@ -183,7 +179,6 @@ def costs_of(args) -> Costs:
     """The placement's cost model for the run's model: the rates of ``--dynamic-calibration FILE``
     (``ulysses-mcore fit``'s ``fit.json``), else the project's CPU fit on a CPU and the H200 preset
     on a GPU (``ulysses-mcore predict``'s)."""
-
     model = dict(
         hidden_size=args.hidden_size,
         num_layers=args.num_layers,
