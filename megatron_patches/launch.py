@@ -10,7 +10,7 @@ What it does before running the script, unchanged, as ``__main__``:
 * without CUDA only: :func:`ulysses_mcore.megatron.compat.cpu_compat.apply_megatron_lm` (the CPU
   adaptations of megatron.core and megatron.training; nothing on a GPU node);
 * :func:`megatron_patches.apply` (``--ulysses-degree`` folded into context parallelism, the
-  Ulysses group registered, ``UlyssesAttention`` in megatron-core's GPT layer specs);
+  layout recorded, ``UlyssesAttention`` in megatron-core's GPT layer specs);
 * adds ``--ulysses-degree`` / ``--ulysses-attention-backend`` to Megatron-LM's parser, for
   both argument entry points (``pretrain(extra_args_provider=...)`` up to megatron-core
   0.16, ``parse_and_validate_args`` from 0.19 on): every ``parse_args`` binding chains them

@@ -110,7 +110,7 @@ class UlyssesAttention(MegatronModule):
     Builder keywords are Megatron's (``config, layer_number, attn_mask_type,
     attention_type, attention_dropout, softmax_scale, cp_comm_type, pg_collection``, and MLA's
     ``k_channels, v_channels``) plus
-    ``ulysses_group`` (default: the group registered by :func:`ulysses_mcore.initialize`)
+    ``ulysses_group`` / ``ring_group`` (default: Megatron's, from ``pg_collection``: :func:`sequence_groups`)
     and ``backend`` (``"sdpa"``, ``"flash"``, ``"te"`` or a callable).
 
     Forward takes Megatron's ``query [s/P, b, hq, d]``, ``key``/``value [s/P, b, hk, d]``

@@ -111,7 +111,7 @@ class StepTimer:
     # ---------------------------------------------------------------- observers
     def _kind(self, group):
         """ "a2a", "ring" or None: the group by its ranks (Megatron's pg_collection may hand the module
-        other group objects over the same ranks than the registry's)."""
+        other group objects over the same ranks than the trainer's)."""
         key = id(group)
         if key not in self._kinds:
             self._kinds[key] = None
