@@ -15,8 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch.distributed as dist  # noqa: E402
 
-from ulysses_mcore.megatron.trainer import checkpoint, pretrain
-from ulysses_mcore.megatron import training  # noqa: E402
+from ulysses_mcore.megatron.trainer import checkpoint, pretrain, training  # noqa: E402
 
 FAULTS = [
     (k, int(it), int(r))

@@ -20,7 +20,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tests.helpers import die_with_parent  # noqa: E402
-from ulysses_mcore.megatron import pretrain  # noqa: E402
+from ulysses_mcore.megatron.trainer import pretrain  # noqa: E402
 
 
 def main(cases_path, out_dir):
