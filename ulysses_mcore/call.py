@@ -28,7 +28,7 @@ from .agreement import agree_call, digest
 from .options import NO_TENSORS, CallSite, CallTensors
 from .orders import token_orders
 from .checks import has_values
-from .validation import check_call
+from .validation import check_call, group_sizes
 
 
 # how each per-call field enters a signature: "tensor" (shape, dtype, device, requires_grad),
@@ -69,12 +69,6 @@ def call_key(qkv, site: CallSite, tensors: CallTensors = NO_TENSORS):
     if tensors is not NO_TENSORS:
         key += tuple(_tensor_key(kind, t) for kind, t in zip(_KEY_KIND.values(), tensors) if kind)
     return key
-
-
-def sizes(site: CallSite):
-    """(Ulysses degree, ring size) of a site's groups (1 for ``None``; -1 where this rank is not a member)."""
-    degree = 1 if site.group is None else dist.get_world_size(site.group)
-    return degree, 1 if site.ring_group is None else dist.get_world_size(site.ring_group)
 
 
 LIVE_CACHES: weakref.WeakSet[CallCache] = weakref.WeakSet()  # every cache, emptied at exit (attention.py)
@@ -127,7 +121,7 @@ class CallCache:
         return anyone_new
 
     def prepare(self, key, qkv, site: CallSite, tensors: CallTensors, *, validate=True):
-        degree, ring = sizes(site)
+        degree, ring = group_sizes(site)
         if degree < 1 or ring < 1:  # no peer waits on a rank outside the group: raising here is safe
             raise ValueError(
                 f"ulysses_attention: rank {dist.get_rank()} is not a member of the "
@@ -209,7 +203,7 @@ class PreparedCall:
     def __init__(self, qkv, site: CallSite, tensors: CallTensors):
         q, k, v = qkv
         opts = site.options
-        degree, ring = sizes(site)
+        degree, ring = group_sizes(site)
         self.group, self.ring_group, self.opts = site.group, site.ring_group, opts
         self.thd = opts.layout == "thd"
         self.layout = "sbhd" if self.thd else opts.layout

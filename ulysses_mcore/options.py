@@ -93,20 +93,25 @@ def attention_options(causal, **choices) -> AttentionOptions:
     if isinstance(choices.get("window_size"), list):
         choices["window_size"] = tuple(choices["window_size"])
     choices["causal"] = causal
-    unknown = set(choices) - set(_OPTION_NAMES)
-    if unknown:
-        raise TypeError(f"attention_options: unknown option(s) {sorted(unknown)}; the options: {list(_OPTION_NAMES)}")
-    key = tuple((name, choices[name], type(choices[name])) for name in _OPTION_NAMES if name in choices)
+    # the names as given (an order of its own is only another entry), the values and their types
+    key = (tuple(choices.items()), tuple(map(type, choices.values())))
     try:
         rec = _CACHE.get(key)
     except TypeError:  # an unhashable value: the validator will name it
-        return AttentionOptions(**choices)
+        return _record(choices)
     if rec is None:
-        rec = AttentionOptions(**choices)
+        rec = _record(choices)
         if len(_CACHE) >= _CACHE_MAX:
             _CACHE.clear()
         _CACHE[key] = rec
     return rec
+
+
+def _record(choices: dict) -> AttentionOptions:
+    unknown = set(choices) - set(_OPTION_NAMES)
+    if unknown:
+        raise TypeError(f"attention_options: unknown option(s) {sorted(unknown)}; the options: {list(_OPTION_NAMES)}")
+    return AttentionOptions(**choices)
 
 
 class CallTensors(NamedTuple):

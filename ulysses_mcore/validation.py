@@ -236,11 +236,16 @@ def is_fake_group(group) -> bool:
     return dist.get_backend(group) == "fake"
 
 
+def group_sizes(site: CallSite) -> Tuple[int, int]:
+    """(Ulysses degree, ring size) of a site's groups (1 for ``None``; -1 where this rank is not a member)."""
+    degree = 1 if site.group is None else dist.get_world_size(site.group)
+    return degree, 1 if site.ring_group is None else dist.get_world_size(site.ring_group)
+
+
 def check_call(qkv, site: CallSite, tensors: CallTensors = NO_TENSORS) -> None:
     """Raise the same ``ValueError`` on every rank of the Ulysses (x ring) group, or none: this
     rank's record, every rank's records (one ``all_gather_object``, two with a ring), one verdict."""
-    degree = 1 if site.group is None else dist.get_world_size(site.group)
-    ring = 1 if site.ring_group is None else dist.get_world_size(site.ring_group)
+    degree, ring = group_sizes(site)
     records = [call_record(qkv, site, tensors, (degree, ring))]
     if degree > 1:
         records = exchange(records[0], site.group)

@@ -134,7 +134,7 @@ def _verify(topo: Topology, rank: int, ulysses_group, ring) -> None:
 
 
 def get_topology() -> Topology:
-    topo = _BUILT.get("topology")
+    topo = built_topology()
     if topo is None:
         raise RuntimeError(
             "no topology built: call ulysses_mcore.initialize(...) first (or run under "
@@ -153,8 +153,13 @@ def get_ring_group():
     return _sequence_groups()[1]
 
 
+def built_topology():
+    """The Topology :func:`initialize` (or the Megatron-LM patches) built, or ``None``."""
+    return _BUILT.get("topology")
+
+
 def _sequence_groups():
-    topo = _BUILT.get("topology")
+    topo = built_topology()
     if topo is None:
         return None, None
     return sequence_groups_of_parallel_state(topo.ulysses, topo.cp)

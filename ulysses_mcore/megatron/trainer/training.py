@@ -20,9 +20,9 @@ from ulysses_mcore.megatron.layer.specs import get_ulysses_layer_spec
 
 def _cp_levels():
     """``[ulysses, ring]`` of the layout :func:`ulysses_mcore.initialize` built, when it has a ring."""
-    from ulysses_mcore.megatron.layer.groups import _BUILT
+    from ulysses_mcore.megatron.layer.groups import built_topology
 
-    topo = _BUILT.get("topology")
+    topo = built_topology()
     return [topo.ulysses, topo.cp] if topo is not None and topo.cp > 1 else None
 
 
