@@ -325,11 +325,11 @@ def reference_seq_to_head(full: torch.Tensor, rank: int, plan, kind: str, layout
     return full[:, :, lo:hi]
 
 
-def shard_tokens(full: torch.Tensor, rank: int, degree: int, layout: str = "sbhd") -> torch.Tensor:
+def shard_tokens(full: torch.Tensor, rank: int, ulysses: int, layout: str = "sbhd") -> torch.Tensor:
     """Contiguous token shard ``rank`` of ``degree`` of a full-sequence tensor."""
     from ulysses_mcore.exchange import seq_dim
 
-    return full.chunk(degree, dim=seq_dim(layout))[rank]
+    return full.chunk(ulysses, dim=seq_dim(layout))[rank]
 
 
 def run_tool(script: str, *args: str, timeout: float = 300.0):

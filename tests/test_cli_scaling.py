@@ -10,7 +10,8 @@ import pytest
 
 from ulysses_mcore.cli import scaling
 from ulysses_mcore.megatron.trainer.arguments import layout_problem
-from ulysses_mcore.planning.step_time import Layout, Run
+from ulysses_mcore.planning.step_time import Run
+from ulysses_mcore.topology import Topology
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -49,7 +50,7 @@ def test_bad_layouts_are_named():
     with pytest.raises(SystemExit, match="no layout of 3 ranks runs tiny"):
         scaling.main(["sweep", "--world", "3", "--out", "/nonexistent"])
     with pytest.raises(ValueError, match="tpT-uU-cpC-ppP-dpD"):
-        Layout.parse("tp2xu4")
+        Topology.parse("tp2xu4")
 
 
 def test_predict_cli_prints_the_best_layouts():

@@ -20,31 +20,31 @@ from ulysses_mcore.planning.placement import (
 COSTS = Costs(token=1.0, pair=0.01, exchanged=0.5, cell=3.0)
 
 
-def check(schedule, lengths, *, ranks, max_degree, cap, bucket=1):
+def check(schedule, lengths, *, ranks, max_ulysses, cap, bucket=1):
     """Every property a schedule must have; raises AssertionError naming the first broken one."""
     cells = schedule.cells()
     placed = sorted(i for c in cells for i in c.docs)
     assert placed == list(range(len(lengths))), "every document exactly once"
     for c in cells:
-        assert c.degree & (c.degree - 1) == 0 and c.degree <= max_degree
-        assert c.first % c.degree == 0 and c.first + c.degree <= ranks, "an aligned block"
+        assert c.ulysses & (c.ulysses - 1) == 0 and c.ulysses <= max_ulysses
+        assert c.first % c.ulysses == 0 and c.first + c.ulysses <= ranks, "an aligned block"
         assert c.tokens == sum(lengths[i] for i in c.docs)
-        assert c.per_rank * c.degree >= c.tokens and c.pad >= 0
+        assert c.per_rank * c.ulysses >= c.tokens and c.pad >= 0
         assert c.per_rank <= cap, "no rank holds more than the fixed degree's load"
-        assert all(schedule.degrees[i] == c.degree for i in c.docs), "a document at its own degree"
-        assert c.per_rank - math.ceil(c.tokens / c.degree) < bucket
+        assert all(schedule.degrees[i] == c.ulysses for i in c.docs), "a document at its own degree"
+        assert c.per_rank - math.ceil(c.tokens / c.ulysses) < bucket
         assert c.per_rank % bucket == 0 or c.per_rank == cap
     for r in range(ranks):
         mine = schedule.cells_of(r)
         assert all(r in c.ranks for c in mine)
-        orders = [c.order for c in mine if c.degree > 1]
+        orders = [c.order for c in mine if c.ulysses > 1]
         assert orders == sorted(orders), "group cells in the one global order"
-        assert all(c.degree == 1 for c in mine[len(orders) :]), "group cells first, then whole documents"
+        assert all(c.ulysses == 1 for c in mine[len(orders) :]), "group cells first, then whole documents"
     for c in cells:  # a group cell is run by exactly its members
-        assert sum(c in schedule.cells_of(r) for r in range(ranks)) == c.degree
+        assert sum(c in schedule.cells_of(r) for r in range(ranks)) == c.ulysses
     for c in cells:  # each document at the smallest degree that fits it, or at a cell's with room for it
-        least = [degree_for(lengths[i], cap, max_degree) for i in c.docs]
-        assert max(least) == c.degree, "a cell's degree is its largest document's"
+        least = [degree_for(lengths[i], cap, max_ulysses) for i in c.docs]
+        assert max(least) == c.ulysses, "a cell's degree is its largest document's"
 
 
 @settings(max_examples=150, deadline=None)
@@ -54,19 +54,19 @@ def check(schedule, lengths, *, ranks, max_degree, cap, bucket=1):
     st.sampled_from([1, 16, 64]),
 )
 def test_every_schedule_keeps_every_rule(lengths, layout, bucket):
-    ranks, max_degree = layout
-    cap = 1024 // max_degree
-    s = place(lengths, ranks=ranks, max_degree=max_degree, cap=cap, costs=COSTS, bucket=bucket)
-    check(s, lengths, ranks=ranks, max_degree=max_degree, cap=cap, bucket=bucket)
+    ranks, max_ulysses = layout
+    cap = 1024 // max_ulysses
+    s = place(lengths, ranks=ranks, max_ulysses=max_ulysses, cap=cap, costs=COSTS, bucket=bucket)
+    check(s, lengths, ranks=ranks, max_ulysses=max_ulysses, cap=cap, bucket=bucket)
     if sum(lengths) >= ranks * cap:  # a global batch of the trainer's size: every rank has work
         assert all(s.cells_of(r) for r in range(ranks))
-    assert s == place(lengths, ranks=ranks, max_degree=max_degree, cap=cap, costs=COSTS, bucket=bucket)
+    assert s == place(lengths, ranks=ranks, max_ulysses=max_ulysses, cap=cap, costs=COSTS, bucket=bucket)
 
 
 def test_every_rank_runs_the_same_slots_when_it_has_documents_to_split():
     lengths = long_tailed_lengths(300, seed=3, median=60, longest=1024)
-    s = place(lengths, ranks=4, max_degree=4, cap=256, costs=COSTS, bucket=16)
-    check(s, lengths, ranks=4, max_degree=4, cap=256, bucket=16)
+    s = place(lengths, ranks=4, max_ulysses=4, cap=256, costs=COSTS, bucket=16)
+    check(s, lengths, ranks=4, max_ulysses=4, cap=256, bucket=16)
     assert {len(s.cells_of(r)) for r in range(4)} == {s.slots}
     assert {1, 2, 4} <= set(s.degrees)
 
@@ -74,7 +74,7 @@ def test_every_rank_runs_the_same_slots_when_it_has_documents_to_split():
 def test_balanced_by_the_cost_model_and_exchanges_only_long_documents():
     lengths = long_tailed_lengths(400, seed=1, median=100, longest=2048, whole_every=100)
     cap = 512
-    s = place(lengths, ranks=8, max_degree=4, cap=cap, costs=COSTS, bucket=32)
+    s = place(lengths, ranks=8, max_ulysses=4, cap=cap, costs=COSTS, bucket=32)
     assert max(s.finish) / (sum(s.work) / len(s.work)) < 1.05
     long_tokens = sum(L for L in lengths if L > cap)
     assert s.exchanged_tokens() - long_tokens < 0.1 * long_tokens  # only what must, plus pad
@@ -83,20 +83,20 @@ def test_balanced_by_the_cost_model_and_exchanges_only_long_documents():
 
 def test_a_document_longer_than_the_largest_degree_holds_is_refused_with_the_fix():
     with pytest.raises(PlacementError) as e:
-        degree_for(5000, cap=1024, max_degree=4)
+        degree_for(5000, cap=1024, max_ulysses=4)
     msg = str(e.value)
     assert "5000 tokens" in msg and "per-rank load 1024" in msg and "--ulysses-degree 8" in msg
     assert "--micro-batch-size" in msg
     with pytest.raises(PlacementError):
-        place([10, 5000], ranks=4, max_degree=4, cap=1024)
+        place([10, 5000], ranks=4, max_ulysses=4, cap=1024)
 
 
 @pytest.mark.parametrize(
     "kw,needle",
     [
-        (dict(ranks=4, max_degree=3, cap=8), "power of two"),
-        (dict(ranks=6, max_degree=4, cap=8), "not a multiple of --ulysses-degree 4"),
-        (dict(ranks=4, max_degree=4, cap=0), "must be positive"),
+        (dict(ranks=4, max_ulysses=3, cap=8), "power of two"),
+        (dict(ranks=6, max_ulysses=4, cap=8), "not a multiple of --ulysses-degree 4"),
+        (dict(ranks=4, max_ulysses=4, cap=0), "must be positive"),
     ],
 )
 def test_bad_layouts_are_named(kw, needle):
@@ -114,7 +114,7 @@ def test_samples_are_cut_like_megatrons_dataset_and_predictions_cover_three_mode
     samples = samples_of([10, 30, 5], seq=16, count=4)
     assert all(sum(s) == 16 for s in samples)
     assert samples[0] == [11, 5]  # 10 + its end-of-document token, then the next document's first 5
-    t = step_times(samples_of(long_tailed_lengths(100, longest=256), 256, 8), ranks=4, max_degree=4, costs=COSTS)
+    t = step_times(samples_of(long_tailed_lengths(100, longest=256), 256, 8), ranks=4, max_ulysses=4, costs=COSTS)
     assert set(t) == {"fixed", "degree 1", "dynamic"} and all(v > 0 for v in t.values())
 
 
@@ -125,7 +125,8 @@ def test_costs_from_the_step_time_models_rates():
     import os
 
     from ulysses_mcore.megatron.trainer.dynamic import CPU_RATES
-    from ulysses_mcore.planning.step_time import MODELS, PRESETS, gpu_rates
+    from ulysses_mcore.planning.shape import MODELS
+    from ulysses_mcore.planning.step_time import PRESETS, gpu_rates
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with open(os.path.join(root, "docs", "perf", "sweep_w4", "fit.json")) as f:
@@ -136,6 +137,6 @@ def test_costs_from_the_step_time_models_rates():
     tiny = MODELS["tiny"]
     c = Costs.from_rates(fitted, tiny)
     assert c.token > 0 and c.pair > 0 and c.exchanged > 0 and c.cell > 0 and c.messages > 0
-    assert c.pair == pytest.approx(fitted["attention"]["attn_flops"] * 12 * tiny["hidden_size"] * tiny["num_layers"])
+    assert c.pair == pytest.approx(fitted["attention"]["attn_flops"] * 12 * tiny.hidden_size * tiny.num_layers)
     gpu = Costs.from_rates(gpu_rates(PRESETS["h200"]), MODELS["llama8b"], dtype_bytes=2)
     assert gpu.document(131072, 8) < gpu.document(131072, 1)  # a long document is worth splitting on H200s

@@ -5,7 +5,7 @@ cross, and a fit that recovers known rates."""
 import pytest
 
 from ulysses_mcore.megatron.trainer.arguments import layout_problem
-from ulysses_mcore.planning.step_time import Layout, Run, crosses_nodes, enumerate_layouts, features, fit, predict
+from ulysses_mcore.planning.step_time import Run, enumerate_layouts, features, fit, predict
 from ulysses_mcore.topology import Topology, TopologyError
 
 
@@ -28,9 +28,9 @@ def test_every_emitted_layout_constructs_and_no_dropped_one_would(world):
         except TopologyError:
             continue
         if 4 % pp == 0 and 8 % topo.dp == 0:
-            runnable.add(Layout(tp, u, cp, pp, topo.dp))
+            runnable.add(Topology.of(tp, u, cp, pp, topo.dp))
     assert set(keep) == runnable
-    assert set(keep).isdisjoint(Layout.parse(n) for n in dropped)
+    assert set(keep).isdisjoint(Topology.parse(n) for n in dropped)
     if world == 8:
         assert "tp8-u1-cp1-pp1-dp1" in dropped  # 4 kv heads cannot split over tp 8
 
@@ -48,8 +48,8 @@ def test_budget_prunes_and_nothing_fitting_is_an_error():
 
 
 def test_links_follow_the_rank_order():
-    lay = Layout(tp=2, ulysses=4, cp=2, pp=1, dp=1)  # 16 ranks, 8 a node: tp x ulysses inside, the ring across
-    assert not crosses_nodes(lay, "tp", 8) and not crosses_nodes(lay, "ulysses", 8) and crosses_nodes(lay, "cp", 8)
+    lay = Topology.of(tp=2, ulysses=4, cp=2, pp=1, dp=1)  # 16 ranks, 8 a node: tp x ulysses inside, the ring across
+    assert not lay.crosses_nodes("tp", 8) and not lay.crosses_nodes("ulysses", 8) and lay.crosses_nodes("cp", 8)
     f = features(Run("llama8b", 131072, 1, 16, bf16=True), lay, gpus_per_node=8)
     assert f["a2a_bytes_intra"] > 0 and f.get("a2a_bytes_inter", 0) == 0 and f["ring_bytes_inter"] > 0
 

@@ -151,3 +151,32 @@ def test_rank_inverts_coords(kw):
         c = topo.coords(0)
         with pytest.raises(TopologyError, match="disagree"):
             topo.rank(**dict(c, ep=1 - c["ep"]))
+
+
+def test_a_layout_by_name_round_trips_and_names_its_flags():
+    lay = Topology.of(tp=2, ulysses=4, cp=1, pp=2, dp=3)
+    assert (lay.world_size, lay.dp, lay.name) == (48, 3, "tp2-u4-cp1-pp2-dp3")
+    assert Topology.parse(lay.name) == lay and Topology.parse("tp1-u2-cp1-pp1-dp2-ep2").ep == 2
+    assert lay.flags() == [
+        "--tensor-model-parallel-size",
+        "2",
+        "--ulysses-degree",
+        "4",
+        "--context-parallel-size",
+        "1",
+        "--pipeline-model-parallel-size",
+        "2",
+    ]
+    for bad in ("tp2xu4", "tp1-u2-cp1-pp1", "tp1-u2-cp1-pp1-dp1-zz3"):
+        with pytest.raises(ValueError, match="tpT-uU-cpC-ppP-dpD"):
+            Topology.parse(bad)
+
+
+@pytest.mark.parametrize("gpus_per_node", [2, 4, 8])
+def test_crosses_nodes_agrees_with_the_ranks_node_by_node(gpus_per_node):
+    """Independently: a group crosses nodes iff two of its ranks differ in rank // gpus_per_node."""
+    for lay in (Topology.of(2, 2, 2, 1, 2), Topology.of(1, 4, 1, 2, 1), Topology.of(4, 1, 1, 1, 4)):
+        for axes in ("tp", "ulysses", "cp", "dp", "pp", "ulysses-cp-dp"):
+            want = any(len({r // gpus_per_node for r in g}) > 1 for g in lay.groups(axes))
+            assert lay.crosses_nodes(axes, gpus_per_node) == want, (lay.name, axes)
+    assert not Topology.of(1, 8).crosses_nodes("ulysses", None)

@@ -9,12 +9,13 @@ from typing import Dict, List
 
 from ulysses_mcore.planning.mix import long_tailed_lengths
 from ulysses_mcore.planning.placement import Costs, samples_of, step_times
-from ulysses_mcore.planning.step_time import MODELS, PRESETS, gpu_rates
+from ulysses_mcore.planning.shape import MODELS
+from ulysses_mcore.planning.step_time import PRESETS, gpu_rates
 
 GPU_SEQ = 131072  # tokens a sample on the GPUs: the same rule, lengths scaled by GPU_SEQ / 4096
 
 
-def predict_gpus(mix: Dict, worlds=(8, 16, 32, 64), degree: int = 8) -> List[dict]:
+def predict_gpus(mix: Dict, worlds=(8, 16, 32, 64), ulysses: int = 8) -> List[dict]:
     """Step times of fixed degree 8, degree 1 and the dynamic placement for Llama-8B (bf16) on H200s
     (the preset rates of ``ulysses-mcore predict``), two samples a rank, the mix's rule at GPU_SEQ."""
     costs = Costs.from_rates(gpu_rates(PRESETS["h200"]), MODELS["llama8b"], dtype_bytes=2)
@@ -24,7 +25,7 @@ def predict_gpus(mix: Dict, worlds=(8, 16, 32, 64), degree: int = 8) -> List[dic
     )
     out = []
     for world in worlds:
-        t = step_times(samples_of(lengths, GPU_SEQ, 2 * world), ranks=world, max_degree=degree, costs=costs)
+        t = step_times(samples_of(lengths, GPU_SEQ, 2 * world), ranks=world, max_ulysses=ulysses, costs=costs)
         out.append({"gpus": world, **{k: round(v, 4) for k, v in t.items()}})
     return out
 

@@ -121,11 +121,11 @@ class CallCache:
         return anyone_new
 
     def prepare(self, key, qkv, site: CallSite, tensors: CallTensors, *, validate=True):
-        degree, ring = group_sizes(site)
-        if degree < 1 or ring < 1:  # no peer waits on a rank outside the group: raising here is safe
+        ulysses, ring = group_sizes(site)
+        if ulysses < 1 or ring < 1:  # no peer waits on a rank outside the group: raising here is safe
             raise ValueError(
                 f"ulysses_attention: rank {dist.get_rank()} is not a member of the "
-                f"{'group' if degree < 1 else 'ring_group'} it was given; pass this rank's own group"
+                f"{'group' if ulysses < 1 else 'ring_group'} it was given; pass this rank's own group"
             )
         if validate:
             check_call(qkv, site, tensors)
@@ -203,16 +203,16 @@ class PreparedCall:
     def __init__(self, qkv, site: CallSite, tensors: CallTensors):
         q, k, v = qkv
         opts = site.options
-        degree, ring = group_sizes(site)
+        ulysses, ring = group_sizes(site)
         self.group, self.ring_group, self.opts = site.group, site.ring_group, opts
         self.thd = opts.layout == "thd"
         self.layout = "sbhd" if self.thd else opts.layout
         if self.thd:
             q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
         self.kw = opts.kernel_keywords(self.layout)
-        self.exchange = degree > 1
+        self.exchange = ulysses > 1
         rank = dist.get_rank(site.group) if self.exchange else 0
-        self.plan = HeadPlan(q.shape[2], k.shape[2], degree)
+        self.plan = HeadPlan(q.shape[2], k.shape[2], ulysses)
         self.lo, self.hi = self.plan.q_range(rank)
         self.head0 = site.first_head
         self.kw["heads"] = (self.head0 + self.lo, self.head0 + self.hi)
@@ -243,7 +243,7 @@ class PreparedCall:
         self.dv = dv
         self.out = OutRoute(plan, rank, A, B, dv + (lse_columns(q.dtype) if opts.return_lse else 0), self.layout)
         sd = seq_dim(self.layout)
-        self.orders = token_orders(opts.token_order, plan.degree, q.shape[sd] * plan.degree, q.device, sd)
+        self.orders = token_orders(opts.token_order, plan.ulysses, q.shape[sd] * plan.ulysses, q.device, sd)
         if opts.overlap_chunks > 1:
             from .overlap import ChunkRoutes
 

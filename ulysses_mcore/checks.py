@@ -62,7 +62,7 @@ class CallView:
     def __init__(self, qkv, site: CallSite, tensors: CallTensors, sizes: Tuple[int, int]):
         self.q, self.k, self.v = qkv
         self.site, self.opts, self.t = site, site.options, tensors
-        self.degree, self.ring = sizes
+        self.ulysses, self.ring = sizes
         self.layout, self.backend = self.opts.layout, self.opts.backend
         self.thd = self.layout == "thd"
         self.names = "[t, h, d]" if self.thd else f"[{','.join(str(self.layout))}]"
@@ -150,13 +150,13 @@ def _heads_problem(c: CallView) -> str:
             f"the module was built for {expected[0]} query / {expected[1]} kv heads per tensor-parallel rank "
             f"but got {hq} / {hk}: build it with the model's config"
         )
-    err = head_layout_error(hq, hk, c.degree)
+    err = head_layout_error(hq, hk, c.ulysses)
     return f"{err} (heads are dim {c.hdim} of {c.names})" if err else ""
 
 
 def _overlap_problem(c: CallView) -> str:
-    chunks, degree = c.opts.overlap_chunks, c.degree
-    if degree <= 1 or (isinstance(chunks, int) and chunks == 1):
+    chunks, ulysses = c.opts.overlap_chunks, c.ulysses
+    if ulysses <= 1 or (isinstance(chunks, int) and chunks == 1):
         return ""
     if chunks != 1 and (c.mla or c.opts.return_lse):
         return (
@@ -164,9 +164,9 @@ def _overlap_problem(c: CallView) -> str:
             "value heads of another size or return_lse=True"
         )
     hq, hk = c.q.shape[c.hdim], c.k.shape[c.hdim]
-    if not is_even(hq, hk, degree):
-        return f"overlap_chunks={chunks} needs heads that divide evenly over the degree {degree}"
-    return overlap_error(hq, hk, degree, chunks) or ""
+    if not is_even(hq, hk, ulysses):
+        return f"overlap_chunks={chunks} needs heads that divide evenly over the degree {ulysses}"
+    return overlap_error(hq, hk, ulysses, chunks) or ""
 
 
 def _mask_problem(c: CallView) -> str:
@@ -320,11 +320,11 @@ def _boundaries_problem(c: CallView) -> str:
             f"cu_seqlens must start at 0 and never decrease (it starts at {vals[0]}): give the cumulative "
             "document lengths of the whole packed stream"
         )
-    total = c.q.shape[0] * c.degree * c.ring
+    total = c.q.shape[0] * c.ulysses * c.ring
     if vals[-1] != total:
         return (
             f"cu_seqlens ends at {vals[-1]}, but the packed stream is {total} tokens ({c.q.shape[0]} per rank x "
-            f"{c.degree * c.ring} ranks): cu_seqlens must cover the whole global stream; pad the stream to a "
+            f"{c.ulysses * c.ring} ranks): cu_seqlens must cover the whole global stream; pad the stream to a "
             "multiple of the degree with a last document"
         )
     kv = c.t.cu_seqlens_kv
@@ -354,7 +354,7 @@ def _seqlens_problem(c: CallView) -> str:
 def _per_document_problem(c: CallView) -> str:
     if not c.thd or c.opts.token_order != "per_document":
         return ""
-    need = 2 * c.degree * c.ring
+    need = 2 * c.ulysses * c.ring
     if c.ring > 1:
         return (
             "token_order='per_document' (Transformer Engine's THD layout) does not combine with a ring: "

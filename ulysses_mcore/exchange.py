@@ -52,18 +52,18 @@ def seq_dim(layout: str) -> int:
 # ----------------------------------------------------------------------------- the plan
 @dataclass(frozen=True)
 class HeadPlan:
-    """Which heads go to which rank, for ``num_q_heads`` / ``num_kv_heads`` over ``degree`` ranks."""
+    """Which heads go to which rank, for ``num_q_heads`` / ``num_kv_heads`` over ``ulysses`` ranks."""
 
     num_q_heads: int
     num_kv_heads: int
-    degree: int
+    ulysses: int
 
     @property
     def group_size(self) -> int:
         return self.num_q_heads // self.num_kv_heads
 
     def q_range(self, rank: int) -> Tuple[int, int]:
-        base, extra = divmod(self.num_q_heads, self.degree)
+        base, extra = divmod(self.num_q_heads, self.ulysses)
         first = rank * base + min(rank, extra)
         return first, first + base + (1 if rank < extra else 0)
 
@@ -87,18 +87,18 @@ class HeadPlan:
         """Every rank the same number of query heads and either ``kv/P`` kv heads each (scatter)
         or one kv head shared by ``P/kv`` consecutive ranks (replication): packed in one strided
         copy per tensor."""
-        hq, hk, P = self.num_q_heads, self.num_kv_heads, self.degree
-        return hq % P == 0 and (hk % P == 0 or P % hk == 0)
+        hq, hk, ulysses = self.num_q_heads, self.num_kv_heads, self.ulysses
+        return hq % ulysses == 0 and (hk % ulysses == 0 or ulysses % hk == 0)
 
     @cached_property
     def uniform(self) -> bool:
         """All split sizes equal: the all-to-all needs no split sizes."""
-        return len({(self.q_count(j), self.kv_count(j)) for j in range(self.degree)}) == 1
+        return len({(self.q_count(j), self.kv_count(j)) for j in range(self.ulysses)}) == 1
 
     @property
     def kv_replicas(self) -> int:
         """Regular plans: how many consecutive ranks receive the same kv head (1 = scatter)."""
-        return self.degree // self.num_kv_heads if self.num_kv_heads < self.degree else 1
+        return self.ulysses // self.num_kv_heads if self.num_kv_heads < self.ulysses else 1
 
     def kv_index_for_q(self, rank: int) -> Optional[List[int]]:
         """Local kv head of each local query head when the local heads are not an ordinary GQA
@@ -113,7 +113,7 @@ class HeadPlan:
         return list(range(*self.kv_range(rank)))
 
 
-def head_layout_error(num_q_heads: int, num_kv_heads: int, degree: int) -> Optional[str]:
+def head_layout_error(num_q_heads: int, num_kv_heads: int, ulysses: int) -> Optional[str]:
     """Why no head plan fits, or ``None``."""
     if num_q_heads < 1 or num_kv_heads < 1:
         return f"head counts must be >= 1 (query heads={num_q_heads}, kv heads={num_kv_heads})"
@@ -121,30 +121,30 @@ def head_layout_error(num_q_heads: int, num_kv_heads: int, degree: int) -> Optio
         return (
             f"query heads ({num_q_heads}) must be a multiple of kv heads ({num_kv_heads}) for grouped-query attention"
         )
-    if num_q_heads < degree:
+    if num_q_heads < ulysses:
         return (
-            f"ulysses degree {degree} is larger than the {num_q_heads} query heads on this tensor-parallel "
+            f"ulysses degree {ulysses} is larger than the {num_q_heads} query heads on this tensor-parallel "
             f"rank: every rank needs at least one head; use a degree <= {num_q_heads} "
             "(ring context parallelism covers larger degrees)"
         )
     return None
 
 
-def is_even(num_q_heads: int, num_kv_heads: int, degree: int) -> bool:
+def is_even(num_q_heads: int, num_kv_heads: int, ulysses: int) -> bool:
     return (
-        head_layout_error(num_q_heads, num_kv_heads, degree) is None
-        and HeadPlan(num_q_heads, num_kv_heads, degree).regular
+        head_layout_error(num_q_heads, num_kv_heads, ulysses) is None
+        and HeadPlan(num_q_heads, num_kv_heads, ulysses).regular
     )
 
 
-def overlap_error(num_q_heads: int, num_kv_heads: int, degree: int, chunks) -> Optional[str]:
+def overlap_error(num_q_heads: int, num_kv_heads: int, ulysses: int, chunks) -> Optional[str]:
     """Why ``chunks`` head chunks cannot be pipelined (:mod:`ulysses_mcore.overlap`), or ``None``."""
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         return f"overlap_chunks must be an integer >= 1, got {chunks!r}"
     if chunks == 1:
         return None
-    plan = HeadPlan(num_q_heads, num_kv_heads, degree)
-    q, kv = num_q_heads // degree, max(num_kv_heads // degree, 1)
+    plan = HeadPlan(num_q_heads, num_kv_heads, ulysses)
+    q, kv = num_q_heads // ulysses, max(num_kv_heads // ulysses, 1)
     if q % chunks or plan.kv_replicas > 1 or kv % chunks:
         return (
             f"overlap_chunks={chunks} must divide the {q} query and {kv} kv heads each rank computes "
@@ -250,18 +250,18 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, group, out_splits=None, in_
 
 def _recv_as_layout(recv: torch.Tensor, layout: str) -> torch.Tensor:
     """``[P, A, B, ...]`` received by source rank -> the full-sequence tensor in ``layout``."""
-    P, A, B, *rest = recv.shape
+    ulysses, A, B, *rest = recv.shape
     if seq_dim(layout) == 0:
-        return recv.view(P * A, B, *rest)  # source-major == token order: a view
-    return recv.transpose(0, 1).reshape(A, P * B, *rest)  # a copy unless b == 1
+        return recv.view(ulysses * A, B, *rest)  # source-major == token order: a view
+    return recv.transpose(0, 1).reshape(A, ulysses * B, *rest)  # a copy unless b == 1
 
 
-def _by_block(t: torch.Tensor, sd: int, P: int, A: int, B: int) -> torch.Tensor:
+def _by_block(t: torch.Tensor, sd: int, ulysses: int, A: int, B: int) -> torch.Tensor:
     """A full-sequence tensor (``[P*A, B, ...]`` for sbhd, ``[A, P*B, ...]`` for bshd: ``sd`` its
     sequence dim) as ``[P, A, B, ...]`` by token block: a view, strided for bshd."""
     if sd == 0:
-        return t.view(P, A, B, *t.shape[2:])
-    return t.view(A, P, B, *t.shape[2:]).transpose(0, 1)
+        return t.view(ulysses, A, B, *t.shape[2:])
+    return t.view(A, ulysses, B, *t.shape[2:]).transpose(0, 1)
 
 
 # A q/k/v block for one rank is, per (token, batch) row, its nq query heads (head dim dq), then its
@@ -289,44 +289,46 @@ class QkvRoute:
     given); other plans walk the destinations (uneven heads, kv groups straddling ranks)."""
 
     def __init__(self, plan: HeadPlan, rank: int, A: int, B: int, dq: int, dv: int, layout: str):
-        P = plan.degree
-        self.plan, self.layout, self.sd, self.P, self.A, self.B, self.dq, self.dv = (
+        ulysses = plan.ulysses
+        self.plan, self.layout, self.sd, self.ulysses, self.A, self.B, self.dq, self.dv = (
             plan,
             layout,
             seq_dim(layout),
-            P,
+            ulysses,
             A,
             B,
             dq,
             dv,
         )
         self.mine, W = _widths(plan.q_count(rank), plan.kv_count(rank), dq, dv)
-        self.recv_shape = (P, A, B, W)
-        full = (P * A, B) if self.sd == 0 else (A, P * B)
+        self.recv_shape = (ulysses, A, B, W)
+        full = (ulysses * A, B) if self.sd == 0 else (A, ulysses * B)
         self.full_shape = (*full, W)
         # this rank's q, k, v in a contiguous [S-ish, B-ish, W] buffer: (size, stride, offset)
         self.mine_views = [((*full, n, d), (full[1] * W, W, d, 1), start) for start, n, d in self.mine]
         if plan.regular:
-            self._regular(P, A, B, dq, dv)
+            self._regular(ulysses, A, B, dq, dv)
             return
         self.blocks, off = [], 0  # per destination: (offset, row width, its q range, its kv range)
-        for j in range(P):
+        for j in range(ulysses):
             Wj = _widths(plan.q_count(j), plan.kv_count(j), dq, dv)[1]
             self.blocks.append((off, Wj, plan.q_range(j), plan.kv_range(j)))
             off += A * B * Wj
         self.send_shape = (off,)
         even = plan.uniform
         self.send_splits = None if even else [A * B * w for _, w, _, _ in self.blocks]
-        self.recv_splits = None if even else [A * B * W] * P
+        self.recv_splits = None if even else [A * B * W] * ulysses
 
-    def _regular(self, P, A, B, dq, dv):
+    def _regular(self, ulysses, A, B, dq, dv):
         plan = self.plan
         nq, nk = plan.q_count(0), plan.kv_count(0)
         self.send_parts, Ws = _widths(nq, nk, dq, dv)
-        self.send_shape, self.send_splits, self.recv_splits = (P, A, B, Ws), None, None
-        self.dest_shapes = [(A, B, P, n, d) for _, n, d in self.send_parts]
+        self.send_shape, self.send_splits, self.recv_splits = (ulysses, A, B, Ws), None, None
+        self.dest_shapes = [(A, B, ulysses, n, d) for _, n, d in self.send_parts]
         # each part of the send buffer [P, A, B, Ws] seen as [A, B, P, n, d]: where q.view(A, B, P, n, d) goes
-        self.dest_views = [((A, B, P, n, d), (B * Ws, Ws, A * B * Ws, d, 1), start) for start, n, d in self.send_parts]
+        self.dest_views = [
+            ((A, B, ulysses, n, d), (B * Ws, Ws, A * B * Ws, d, 1), start) for start, n, d in self.send_parts
+        ]
         self.replicas = plan.kv_replicas
 
     # -- forward: pack, exchange, the received parts
@@ -393,7 +395,7 @@ class QkvRoute:
             if g is None:
                 dst.zero_()
             else:
-                dst.copy_(g if self.sd == 0 else _by_block(g, self.sd, self.P, self.A, self.B))
+                dst.copy_(g if self.sd == 0 else _by_block(g, self.sd, self.ulysses, self.A, self.B))
         recv = POOL.take(self.send_shape, ref.dtype, ref.device)
         return recv, all_to_all(recv, buf, group, self.send_splits, self.recv_splits, async_op), buf
 
@@ -438,24 +440,32 @@ class OutRoute:
     -> the token shard with every head.  Uniform plans: one ``[P, A, B, n, d]`` buffer each way."""
 
     def __init__(self, plan: HeadPlan, rank: int, A: int, B: int, d: int, layout: str):
-        P = plan.degree
-        self.plan, self.layout, self.sd, self.P, self.A, self.B, self.d = plan, layout, seq_dim(layout), P, A, B, d
+        ulysses = plan.ulysses
+        self.plan, self.layout, self.sd, self.ulysses, self.A, self.B, self.d = (
+            plan,
+            layout,
+            seq_dim(layout),
+            ulysses,
+            A,
+            B,
+            d,
+        )
         self.n_me = plan.q_count(rank)
-        self.buf_shape = (P, A, B, self.n_me, d)
-        self.result5 = (A, B, P, self.n_me, d)
-        self.result = (A, B, P * self.n_me, d)
-        self.full = ((P * A, B) if self.sd == 0 else (A, P * B)) + (self.n_me, d)
+        self.buf_shape = (ulysses, A, B, self.n_me, d)
+        self.result5 = (A, B, ulysses, self.n_me, d)
+        self.result = (A, B, ulysses * self.n_me, d)
+        self.full = ((ulysses * A, B) if self.sd == 0 else (A, ulysses * B)) + (self.n_me, d)
         if plan.uniform:
             self.sizes = self.mine = None
             return
-        self.sizes = [A * B * plan.q_count(j) * d for j in range(P)]
-        self.mine = [A * B * self.n_me * d] * P
-        self.offsets = [sum(self.sizes[:j]) for j in range(P)]
-        self.ranges = [plan.q_range(j) for j in range(P)]
+        self.sizes = [A * B * plan.q_count(j) * d for j in range(ulysses)]
+        self.mine = [A * B * self.n_me * d] * ulysses
+        self.offsets = [sum(self.sizes[:j]) for j in range(ulysses)]
+        self.ranges = [plan.q_range(j) for j in range(ulysses)]
 
     def start(self, out: torch.Tensor, group, async_op=False):
         """``out [S, B, n_me, d]`` in ``layout`` -> (receive buffer, work handle or None, send buffer)."""
-        send = _by_block(out, self.sd, self.P, self.A, self.B)
+        send = _by_block(out, self.sd, self.ulysses, self.A, self.B)
         if not send.is_contiguous():
             send = POOL.take(self.buf_shape, out.dtype, out.device).copy_(send)
         recv = POOL.take(self.buf_shape if self.sizes is None else (sum(self.sizes),), out.dtype, out.device)
@@ -555,7 +565,7 @@ def seq_to_head(
 ):
     """Differentiable: token-sharded q, k, v -> this rank's heads over the full sequence.
     ``route``: a :class:`QkvRoute` worked out before (the prepared call's), else made here."""
-    if plan.degree == 1:
+    if plan.ulysses == 1:
         return q, k, v
     if route is None:
         route = qkv_route(q, v, plan, dist.get_rank(group) if rank is None else rank, layout)
@@ -566,12 +576,12 @@ def head_to_seq(
     out, group, plan: HeadPlan, layout: str = "sbhd", rank: Optional[int] = None, route: Optional[OutRoute] = None
 ):
     """Differentiable: this rank's heads over the full sequence -> token shard, all heads."""
-    if plan.degree == 1:
+    if plan.ulysses == 1:
         return out
     if route is None:
         sd = seq_dim(layout)
         shard = list(out.shape[:2])
-        shard[sd] //= plan.degree
+        shard[sd] //= plan.ulysses
         route = out_route(shard, out.shape[3], plan, dist.get_rank(group) if rank is None else rank, layout)
     return exchange_out(out, group, route)
 

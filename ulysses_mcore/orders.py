@@ -26,11 +26,11 @@ TOKEN_ORDERS = ("contiguous", "load_balanced", "per_document")
 Reorder = Callable[[torch.Tensor], torch.Tensor]
 
 
-def load_balanced_permutation(degree: int) -> List[int]:
+def load_balanced_permutation(ulysses: int) -> List[int]:
     """Megatron's dual-chunk order: the sequence is cut into ``2P`` chunks and rank ``r``
     holds chunks ``r`` and ``2P-1-r``.  Entry ``p`` is the natural chunk at position ``p``
     of the rank-ordered (received) sequence: ``[0, 2P-1, 1, 2P-2, ...]``."""
-    return [p // 2 if p % 2 == 0 else 2 * degree - 1 - p // 2 for p in range(2 * degree)]
+    return [p // 2 if p % 2 == 0 else 2 * ulysses - 1 - p // 2 for p in range(2 * ulysses)]
 
 
 def document_ids(cu_seqlens: torch.Tensor, total: int, device=None) -> torch.Tensor:
@@ -71,7 +71,7 @@ host_bounds = LastOf(_host_values)  # cu_seqlens on the host
 host_lengths = LastOf(_host_values)  # real document lengths inside padded slots, on the host
 
 
-def per_document_order(cu_seqlens: torch.Tensor, degree: int, total: Optional[int] = None) -> torch.Tensor:
+def per_document_order(cu_seqlens: torch.Tensor, ulysses: int, total: Optional[int] = None) -> torch.Tensor:
     """Transformer Engine's / Megatron's THD context-parallel layout: every document (length a
     multiple of ``2P``) is cut into ``2P`` chunks and rank ``r`` holds chunks ``r`` and
     ``2P-1-r`` of each, documents in order.  Returns the natural position of each token of
@@ -84,12 +84,12 @@ def per_document_order(cu_seqlens: torch.Tensor, degree: int, total: Optional[in
     pos = torch.arange(total, device=cu.device)
     doc = document_ids(cu, total)
     start = cu[doc]
-    chunk = (cu[1:] - cu[:-1])[doc] // (2 * degree)  # > 0: a token's document is not empty
+    chunk = (cu[1:] - cu[:-1])[doc] // (2 * ulysses)  # > 0: a token's document is not empty
     j, off = (pos - start) // chunk, (pos - start) % chunk
-    owner = torch.minimum(j, 2 * degree - 1 - j)
+    owner = torch.minimum(j, 2 * ulysses - 1 - j)
     # within its owner, a token sits after the earlier documents' 2 chunks each (start / P),
     # in the document's first or second chunk
-    received = owner * (total // degree) + start // degree + (j >= degree) * chunk + off
+    received = owner * (total // ulysses) + start // ulysses + (j >= ulysses) * chunk + off
     order = torch.empty_like(pos)
     order[received] = pos
     return order
@@ -108,16 +108,16 @@ def _reorders(order: torch.Tensor, sd: int) -> Tuple[Reorder, Reorder]:
 
 
 def token_orders(
-    token_order: str, degree: int, seq_len: int, device, sd: int
+    token_order: str, ulysses: int, seq_len: int, device, sd: int
 ) -> Optional[Callable[[Optional[torch.Tensor]], Tuple[Reorder, Reorder]]]:
     """``None`` when the received order is natural; else ``orders(cu_seqlens)`` ->
     ``(to_natural, to_received)`` reorderings of the sequence dim ``sd`` of the gathered tensors."""
     if token_order == "load_balanced":
-        n = seq_len // (2 * degree)
-        chunk_of = torch.tensor(load_balanced_permutation(degree), dtype=torch.long, device=device)
+        n = seq_len // (2 * ulysses)
+        chunk_of = torch.tensor(load_balanced_permutation(ulysses), dtype=torch.long, device=device)
         order = (chunk_of[:, None] * n + torch.arange(n, device=device)).reshape(-1)
         fixed = _reorders(order, sd)
         return lambda cu: fixed
     if token_order == "per_document":
-        return lambda cu: _reorders(per_document_order(cu.to(device), degree, seq_len), sd)
+        return lambda cu: _reorders(per_document_order(cu.to(device), ulysses, seq_len), sd)
     return None

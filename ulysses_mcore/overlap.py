@@ -29,15 +29,15 @@ class ChunkRoutes:
     """The routes of one chunk (all chunks have the same shape), made once per prepared call."""
 
     def __init__(self, plan: HeadPlan, rank: int, chunks: int, A: int, B: int, d: int, layout: str):
-        P, C = plan.degree, chunks
-        self.P, self.C, self.qc, self.kc = P, C, plan.q_count(0) // C, plan.kv_count(0) // C
-        chunk_plan = HeadPlan(P * self.qc, P * self.kc, P)
+        ulysses, C = plan.ulysses, chunks
+        self.ulysses, self.C, self.qc, self.kc = ulysses, C, plan.q_count(0) // C, plan.kv_count(0) // C
+        chunk_plan = HeadPlan(ulysses * self.qc, ulysses * self.kc, ulysses)
         self.qkv = QkvRoute(chunk_plan, rank, A, B, d, d, layout)
         self.out = OutRoute(chunk_plan, rank, A, B, d, layout)
 
     def views(self, t: torch.Tensor, n: int, c: int) -> torch.Tensor:
         """Chunk ``c``'s ``[A, B, P, n, d]`` heads of a token shard ``[A, B, P*C*n, d]``."""
-        return t.unflatten(2, (self.P, self.C, n)).select(3, c)
+        return t.unflatten(2, (self.ulysses, self.C, n)).select(3, c)
 
 
 class OverlappedUlysses(torch.autograd.Function):

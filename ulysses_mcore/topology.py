@@ -133,6 +133,46 @@ class Topology:
             )
         return dp
 
+    # ------------------------------------------------------------------ a layout by name
+    @classmethod
+    def of(cls, tp: int = 1, ulysses: int = 1, cp: int = 1, pp: int = 1, dp: int = 1, **kw) -> Topology:
+        """The topology of these degrees, its world their product (a layout, as plan and sweep name it)."""
+        return cls(tp * ulysses * cp * pp * dp, tp=tp, ulysses=ulysses, cp=cp, pp=pp, **kw)
+
+    @property
+    def name(self) -> str:
+        """``tpT-uU-cpC-ppP-dpD`` (``-epE`` appended with experts): the layout's name in sweeps and tables."""
+        text = f"tp{self.tp}-u{self.ulysses}-cp{self.cp}-pp{self.pp}-dp{self.dp}"
+        return text + (f"-ep{self.ep}" if self.ep > 1 else "")
+
+    @classmethod
+    def parse(cls, name: str) -> Topology:
+        """The topology a layout name spells (the inverse of :attr:`name`)."""
+        try:
+            parts = {p.rstrip("0123456789"): int(p[len(p.rstrip("0123456789")) :]) for p in name.split("-")}
+            sizes = {k: parts.pop(k) for k in ("tp", "u", "cp", "pp", "dp")}
+            if set(parts) - {"ep"}:
+                raise KeyError(sorted(parts))
+        except (KeyError, ValueError):
+            raise ValueError(f"layout {name!r}: write it as tpT-uU-cpC-ppP-dpD, e.g. tp2-u2-cp1-pp1-dp1") from None
+        return cls.of(sizes["tp"], sizes["u"], sizes["cp"], sizes["pp"], sizes["dp"], ep=parts.get("ep", 1))
+
+    def flags(self) -> List[str]:
+        """The trainer's flags of these degrees (the world is the launcher's)."""
+        out = []
+        for axis in ("tp", "ulysses", "cp", "pp", "ep"):
+            if axis != "ep" or self.ep > 1:
+                out += [FLAGS[axis], str(self.size(axis))]
+        return out
+
+    def crosses_nodes(self, axes: str, gpus_per_node: Optional[int]) -> bool:
+        """Whether a group of ``axes`` ('ulysses', 'dp-ulysses-cp', ...) holds ranks of more than one
+        node of ``gpus_per_node`` consecutive ranks (none: one node)."""
+        if not gpus_per_node:
+            return False
+        nodes = self.group_array(axes) // gpus_per_node
+        return bool((nodes != nodes[:, :1]).any())
+
     # ------------------------------------------------------------------ sizes
     @property
     def edp(self) -> int:

@@ -68,7 +68,7 @@ class CallRecord:
     query: TensorSig
     key: TensorSig
     value: TensorSig
-    degree: int = 1
+    ulysses: int = 1
     ring: int = 1
     data: Dict[str, Any] = field(default_factory=dict)
 
@@ -135,7 +135,7 @@ def call_record(qkv, site: CallSite, tensors: CallTensors = NO_TENSORS, sizes=(1
         problem,
         compared,
         *(TensorSig.of(t) for t in qkv),
-        degree=sizes[0],
+        ulysses=sizes[0],
         ring=sizes[1],
         data={name: _recorded(kind, getattr(tensors, name), problem) for name, kind, _ in _DATA},
     )
@@ -148,13 +148,13 @@ def call_record(qkv, site: CallSite, tensors: CallTensors = NO_TENSORS, sizes=(1
 
 def _full_sequence_problem(r: CallRecord) -> str:
     sdim = seq_dim(r.options.layout)
-    seq = r.query.shape[sdim] * r.degree * r.ring
+    seq = r.query.shape[sdim] * r.ulysses * r.ring
     b = 1 if r.options.layout == "thd" else r.query.shape[1 - sdim]
     heads = r.query.shape[-2]
     if r.options.token_order == "load_balanced" and r.query.shape[sdim] % 2:
         return (
             f"token_order='load_balanced' holds 2 chunks per rank, so the tokens per rank must be even; there "
-            f"are {r.query.shape[sdim]}: make the sequence a multiple of {2 * r.degree * r.ring}"
+            f"are {r.query.shape[sdim]}: make the sequence a multiple of {2 * r.ulysses * r.ring}"
         )
     for name in ("attention_mask", "attention_bias"):
         s = r.data[name]
@@ -196,25 +196,25 @@ _AGREE = (  # (what the message calls it, the value compared), in the order they
         ("device", lambda r: r.query.device),
     ]
     + [(f.name, _option(f.name)) for f in fields(AttentionOptions) if f.name != "layout"]
-    + [("Ulysses degree", lambda r: r.degree), ("ring size", lambda r: r.ring)]
+    + [("Ulysses degree", lambda r: r.ulysses), ("ring size", lambda r: r.ring)]
     + [(what, _datum(name)) for name, _, what in _DATA]
 )
 
 
-def verdict(records: Sequence[CallRecord], degree: int) -> Optional[str]:
+def verdict(records: Sequence[CallRecord], ulysses: int) -> Optional[str]:
     """The first problem over every rank's record, or ``None``.  Pure: same answer everywhere.
 
     ``records``: one per rank of the sample group, Ulysses rank fastest (``u + degree*j``)."""
-    ring = len(records) // max(degree, 1)
+    ring = len(records) // max(ulysses, 1)
     for r, rec in enumerate(records):
         if rec.problem:
-            where = f"rank {r % degree} of the Ulysses group" + (f", ring rank {r // degree}" if ring > 1 else "")
+            where = f"rank {r % ulysses} of the Ulysses group" + (f", ring rank {r // ulysses}" if ring > 1 else "")
             return f"{rec.problem} (on {where})"
     for what, get in _AGREE:
         vals = [get(rec) for rec in records]
         if any(v != vals[0] for v in vals):
             vals = [list(v) if isinstance(v, tuple) else v for v in vals]
-            who = "Ulysses group" if ring <= 1 else f"Ulysses x ring group ({degree} x {ring})"
+            who = "Ulysses group" if ring <= 1 else f"Ulysses x ring group ({ulysses} x {ring})"
             return f"ranks of the {who} disagree in {what}: per rank {vals}"
     return None
 
@@ -238,20 +238,20 @@ def is_fake_group(group) -> bool:
 
 def group_sizes(site: CallSite) -> Tuple[int, int]:
     """(Ulysses degree, ring size) of a site's groups (1 for ``None``; -1 where this rank is not a member)."""
-    degree = 1 if site.group is None else dist.get_world_size(site.group)
-    return degree, 1 if site.ring_group is None else dist.get_world_size(site.ring_group)
+    ulysses = 1 if site.group is None else dist.get_world_size(site.group)
+    return ulysses, 1 if site.ring_group is None else dist.get_world_size(site.ring_group)
 
 
 def check_call(qkv, site: CallSite, tensors: CallTensors = NO_TENSORS) -> None:
     """Raise the same ``ValueError`` on every rank of the Ulysses (x ring) group, or none: this
     rank's record, every rank's records (one ``all_gather_object``, two with a ring), one verdict."""
-    degree, ring = group_sizes(site)
-    records = [call_record(qkv, site, tensors, (degree, ring))]
-    if degree > 1:
+    ulysses, ring = group_sizes(site)
+    records = [call_record(qkv, site, tensors, (ulysses, ring))]
+    if ulysses > 1:
         records = exchange(records[0], site.group)
     if ring > 1:  # every rank of the sample group sees every record: one verdict everywhere
         records = [r for block in exchange(records, site.ring_group) for r in block]
-    problem = verdict(records, degree)
+    problem = verdict(records, ulysses)
     if problem:
         raise ValueError(f"ulysses_attention: {problem}")
 

@@ -1,5 +1,5 @@
 """``ulysses-mcore plan``: per-rank memory and all-to-all bytes of a Ulysses GPT, and the longest
-sequence that fits a budget (the model: :mod:`ulysses_mcore.planning.memory`)."""
+sequence that fits a budget (the model: :mod:`ulysses_mcore.planning.memory_model`)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import json
 from ..planning.memory_model import __doc__ as MODEL_DOC
 from ..planning.memory_model import estimate, longest_sequence
 from ..flags import explain
+from ..planning.shape import ModelShape
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,21 +71,16 @@ PLAN_HELP = {
 
 
 def _model_keywords(a) -> dict:
-    """The memory model's keywords of the flags (all but the sequence and the degree)."""
+    """The memory model's keywords of the flags (all but the sequence and the degree): the model's
+    shape (:class:`~ulysses_mcore.planning.shape.ModelShape`, Megatron's defaults) and the run's."""
     return dict(
-        num_layers=a.num_layers,
-        hidden_size=a.hidden_size,
-        num_attention_heads=a.num_attention_heads,
-        num_query_groups=a.num_query_groups,
-        ffn_hidden_size=a.ffn_hidden_size,
-        vocab_size=a.vocab_size,
+        **ModelShape.from_args(a).keywords(),
         micro_batch_size=a.micro_batch_size,
         tp=a.tp,
         cp=a.cp,
         pp=a.pp,
         bf16=a.bf16,
         recompute=a.recompute,
-        swiglu=a.swiglu,
         distributed_optimizer=a.use_distributed_optimizer,
         dp=a.dp,
         loss_chunk_tokens=a.loss_chunk_tokens,
@@ -108,8 +104,8 @@ def _print(a, est: dict, out: dict) -> None:
     )
     if a.budget_gb:
         print(f"longest sequence in {a.budget_gb} GB per rank:")
-        for u, s in out["longest_sequence"].items():
-            print(f"  ulysses {u:2d}: {s:>10d} tokens" + ("" if s else "  (does not fit)"))
+        for ulysses, s in out["longest_sequence"].items():
+            print(f"  ulysses {ulysses:2d}: {s:>10d} tokens" + ("" if s else "  (does not fit)"))
 
 
 def main(argv=None):
@@ -119,9 +115,9 @@ def main(argv=None):
     out = {"estimate": est}
     if a.budget_gb:
         out["longest_sequence"] = {
-            u: longest_sequence(a.budget_gb * 1e9, 2 * u * a.cp, ulysses=u, **kw)
-            for u in (1, 2, 4, 8, 16)
-            if a.num_attention_heads // a.tp % u == 0
+            ulysses: longest_sequence(a.budget_gb * 1e9, 2 * ulysses * a.cp, ulysses=ulysses, **kw)
+            for ulysses in (1, 2, 4, 8, 16)
+            if a.num_attention_heads // a.tp % ulysses == 0
         }
     if a.json:
         print(json.dumps(out, indent=1))

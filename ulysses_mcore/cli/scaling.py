@@ -39,10 +39,10 @@ from typing import List
 
 from ..flags import explain
 from ..megatron.trainer.arguments import layout_problem
+from ..topology import Topology
+from ..planning.shape import MODELS
 from ..planning.step_time import (
-    MODELS,
     PRESETS,
-    Layout,
     Run,
     enumerate_layouts,
     fit,
@@ -56,12 +56,9 @@ PHASES = ("a2a", "ring", "attention", "mlp", "optimizer")
 
 
 # --------------------------------------------------------------------------- the sweep folder
-def _settings(a) -> dict:
+def _settings(a, run: Run) -> dict:
     return dict(
-        model=a.model,
-        seq_length=a.seq_length,
-        micro_batch_size=a.micro_batch_size,
-        global_batch_size=a.global_batch_size,
+        **run.settings(),
         world=a.world,
         iters=a.iters,
         runner="megatron-lm" if a.megatron_lm else "trainer",
@@ -100,7 +97,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _command(a, run: Run, lay: Layout, log_dir: str):
+def _command(a, run: Run, lay: Topology, log_dir: str):
     common = [
         "--train-iters",
         str(a.iters),
@@ -120,7 +117,7 @@ def _command(a, run: Run, lay: Layout, log_dir: str):
         "-m",
         "torch.distributed.run",
         "--nproc-per-node",
-        str(lay.world),
+        str(lay.world_size),
         "--master-port",
         str(_free_port()),
     ]
@@ -137,7 +134,7 @@ def _command(a, run: Run, lay: Layout, log_dir: str):
                 "--tokenizer-type",
                 "NullTokenizer",
                 "--vocab-size",
-                str(run.config["vocab_size"] - 1),
+                str(run.shape.vocab_size - 1),
                 "--position-embedding-type",
                 "rope",
                 "--attention-dropout",
@@ -165,7 +162,7 @@ def _bar(done: int, total: int, width: int = 20) -> str:
     return "[" + "#" * filled + "." * (width - filled) + f"] {done}/{total}"
 
 
-def run_layout(a, run: Run, lay: Layout, index: int, count: int) -> dict:
+def run_layout(a, run: Run, lay: Topology, index: int, count: int) -> dict:
     """One training run of ``lay``; its row.  Shows a progress bar of its iterations."""
     log_dir = os.path.join(a.out, lay.name)
     cmd, pythonpath = _command(a, run, lay, log_dir)
@@ -200,14 +197,14 @@ def _iteration_lines(text: str):
     return out
 
 
-def _row(a, run: Run, lay: Layout, text: str, log_dir: str) -> dict:
+def _row(a, run: Run, lay: Topology, text: str, log_dir: str) -> dict:
     its = [x for x in _iteration_lines(text) if x[0] > a.warmup]
     if not its:
         raise SystemExit(f"error: {lay.name}: no iteration after --warmup {a.warmup} in the run's output")
     step = statistics.median(ms for _, ms, _ in its) / 1e3
     row = {
         "layout": lay.name,
-        "world": lay.world,
+        "world": lay.world_size,
         "step_s": step,
         "tokens_per_s": run.global_batch_size * run.seq_length / step,
         "peak_gb": max((p for *_, p in its if p is not None), default=None),
@@ -265,13 +262,13 @@ def cmd_sweep(a) -> int:
 
         layouts = runnable_by_megatron_lm(layouts, dropped, torch.cuda.is_available())
     if a.layouts:
-        wanted = [Layout.parse(n) for n in a.layouts.split(",")]
+        wanted = [Topology.parse(n) for n in a.layouts.split(",")]
         bad = [w.name for w in wanted if w not in layouts]
         if bad:
             why = "; ".join(f"{n}: {dropped.get(n, f'not a layout of {a.world} ranks')}" for n in bad)
             raise SystemExit(f"error: --layouts {','.join(bad)} cannot run: {why}")
         layouts = wanted
-    rec = open_sweep(a.out, _settings(a))
+    rec = open_sweep(a.out, _settings(a, run))
     todo = [lay for lay in layouts if lay.name not in rec["rows"] or "error" in rec["rows"][lay.name]]
     print(
         f"sweep: {len(layouts)} layouts of {a.world} ranks for {a.model} at {a.seq_length} tokens "
@@ -342,13 +339,13 @@ def evaluate(rows, run: Run, gpus_per_node=None) -> dict:
     rates = fit(rows, run, gpus_per_node)
     for r in rows:
         result["in_sample"].append(
-            (r["layout"], r["step_s"], predict(rates, run, Layout.parse(r["layout"]), gpus_per_node)["step_s"])
+            (r["layout"], r["step_s"], predict(rates, run, Topology.parse(r["layout"]), gpus_per_node)["step_s"])
         )
     for train, test in (halves, halves[::-1]):
         rates_h = fit(train, run, gpus_per_node)
         for r in test:
             result["held_out"].append(
-                (r["layout"], r["step_s"], predict(rates_h, run, Layout.parse(r["layout"]), gpus_per_node)["step_s"])
+                (r["layout"], r["step_s"], predict(rates_h, run, Topology.parse(r["layout"]), gpus_per_node)["step_s"])
             )
     result["rates"] = rates
     for key in ("in_sample", "held_out"):
@@ -362,7 +359,7 @@ def cmd_fit(a) -> int:
     with open(os.path.join(a.out, "sweep.json")) as f:
         rec = json.load(f)
     s = rec["settings"]
-    run = Run(s["model"], s["seq_length"], s["micro_batch_size"], s["global_batch_size"])
+    run = Run.from_settings(s)
     rows = [r for r in rec["rows"].values() if "error" not in r and "attention_s" in r]
     if len(rows) < 2:
         raise SystemExit(f"error: {a.out}/sweep.json has {len(rows)} timed layouts; fit needs 2 or more (run sweep)")
@@ -468,7 +465,7 @@ def compare_published() -> List[str]:
         tps = {
             k: run.global_batch_size
             * seq
-            / predict(rates, run, Layout.parse(v), PRESETS[preset]["gpus_per_node"])["step_s"]
+            / predict(rates, run, Topology.parse(v), PRESETS[preset]["gpus_per_node"])["step_s"]
             / gpus
             for k, v in layouts.items()
         }

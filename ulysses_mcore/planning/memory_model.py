@@ -166,12 +166,12 @@ def _transients(c: _Shape, params: float, act_bytes: float):
 
 def _messages(c: _Shape):
     """(all-to-all bytes per rank per layer, ring-shift bytes per rank per layer)."""
-    P, (hq, hk), d, b = c.ulysses, c.heads, c.d, c.micro_batch_size
-    q_heads_rank, kv_rank = hq // max(P, 1), max(hk // max(P, 1), 1)
-    qkv_local = c.s_local * b * P * (q_heads_rank + 2 * kv_rank) * d * c.act
+    ulysses, (hq, hk), d, b = c.ulysses, c.heads, c.d, c.micro_batch_size
+    q_heads_rank, kv_rank = hq // max(ulysses, 1), max(hk // max(ulysses, 1), 1)
+    qkv_local = c.s_local * b * ulysses * (q_heads_rank + 2 * kv_rank) * d * c.act
     out_local = c.s_local * b * hq * d * c.act
-    a2a = 2 * (P - 1) / P * (qkv_local + out_local) if P > 1 else 0.0
-    kv_blk = 2 * c.s_local * P * b * kv_rank * d * c.act  # hybrid: k/v of this rank's heads over its ring shard
+    a2a = 2 * (ulysses - 1) / ulysses * (qkv_local + out_local) if ulysses > 1 else 0.0
+    kv_blk = 2 * c.s_local * ulysses * b * kv_rank * d * c.act  # hybrid: k/v of this rank's heads over its ring shard
     return a2a, (3 * c.cp - 2) * kv_blk if c.cp > 1 else 0.0  # fwd cp-1; bwd cp-1 k/v + cp dk/dv
 
 

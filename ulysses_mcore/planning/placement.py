@@ -35,6 +35,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Sequence, Tuple
 
+from .shape import ModelShape
+
 
 class PlacementError(ValueError):
     """A document that no degree up to the largest fits (raised alike on every rank)."""
@@ -54,10 +56,10 @@ class Costs:
     messages: float = 0.0
 
     @classmethod
-    def from_rates(cls, rates: Dict[str, Dict[str, float]], model: Dict, *, dtype_bytes: int = 4):
+    def from_rates(cls, rates: Dict[str, Dict[str, float]], model: ModelShape, *, dtype_bytes: int = 4):
         """From the step-time model's rates (``ulysses-mcore fit``'s ``fit.json`` ``"rates"``, or
         :func:`ulysses_mcore.planning.step_time.gpu_rates` of a preset): the same phases, per document."""
-        flops, layers = _flops(model), model["num_layers"]
+        flops, layers = _flops(model), model.num_layers
         rest, a2a = rates.get("rest", {}), rates.get("a2a", {})
         return cls(
             token=rates["mlp"]["mlp_flops"] * flops["mlp"] + rest.get("other_flops", 0.0) * flops["other"],
@@ -67,22 +69,20 @@ class Costs:
             messages=a2a.get("a2a_msgs", 0.0) * 4 * layers,
         )
 
-    def document(self, length: int, degree: int) -> float:
-        """One rank's share of a document's work at ``degree``."""
+    def document(self, length: int, ulysses: int) -> float:
+        """One rank's share of a document's work at ``ulysses``."""
         pairs = length * (length + 1) / 2
         work = self.token * length + self.pair * pairs
-        return (work + (self.exchanged * length * (degree - 1) / degree if degree > 1 else 0.0)) / degree
+        return (work + (self.exchanged * length * (ulysses - 1) / ulysses if ulysses > 1 else 0.0)) / ulysses
 
 
-def _flops(model: Dict) -> Dict[str, float]:
+def _flops(model: ModelShape) -> Dict[str, float]:
     """Per token (``mlp``, ``other``: forward + backward) and per causal pair (``pair``) FLOPs of a
     model, and the elements an all-to-all moves per exchanged token (``moved``, forward + backward)."""
-    h, layers, ffn = model["hidden_size"], model["num_layers"], model["ffn_hidden_size"]
-    heads, groups = model["num_attention_heads"], model.get("num_query_groups") or model["num_attention_heads"]
-    kv = h * groups // heads
+    h, layers, ffn, kv = model.hidden_size, model.num_layers, model.ffn_hidden_size, model.kv_hidden
     return {
-        "mlp": 6 * layers * (3 if model.get("swiglu") else 2) * h * ffn,
-        "other": 6 * layers * (h * (h + 2 * kv) + h * h) + 6 * h * model["vocab_size"],
+        "mlp": 6 * layers * (3 if model.swiglu else 2) * h * ffn,
+        "other": 6 * layers * (h * (h + 2 * kv) + h * h) + 6 * h * model.vocab_size,
         "pair": 3 * 4 * h * layers,  # q.k and p.v, every head; x3 for the backward
         "moved": 2 * (2 * h + 2 * kv) * layers,
     }
@@ -96,18 +96,18 @@ class Cell:
 
     order: int
     first: int
-    degree: int
+    ulysses: int
     docs: Tuple[int, ...]
     tokens: int
     per_rank: int
 
     @property
     def ranks(self) -> range:
-        return range(self.first, self.first + self.degree)
+        return range(self.first, self.first + self.ulysses)
 
     @property
     def pad(self) -> int:
-        return self.per_rank * self.degree - self.tokens
+        return self.per_rank * self.ulysses - self.tokens
 
 
 @dataclass
@@ -142,20 +142,20 @@ class Schedule:
 
     def exchanged_tokens(self) -> int:
         """Tokens (pad included) that run on a cell of degree > 1: what the all-to-alls move."""
-        return sum(c.per_rank * c.degree for c in self.cells() if c.degree > 1)
+        return sum(c.per_rank * c.ulysses for c in self.cells() if c.ulysses > 1)
 
 
-def degree_for(length: int, cap: int, max_degree: int) -> int:
+def degree_for(length: int, cap: int, max_ulysses: int) -> int:
     """The smallest power-of-two degree whose share ``ceil(length / d)`` fits ``cap`` tokens a rank."""
     d = 1
-    while d <= max_degree:
+    while d <= max_ulysses:
         if math.ceil(length / d) <= cap:
             return d
         d *= 2
     need = _pow2_at_least(math.ceil(length / cap))
     raise PlacementError(
-        f"a document of {length} tokens does not fit: at --ulysses-degree {max_degree} each rank would hold "
-        f"{math.ceil(length / max_degree)} of its tokens, more than the per-rank load {cap} "
+        f"a document of {length} tokens does not fit: at --ulysses-degree {max_ulysses} each rank would hold "
+        f"{math.ceil(length / max_ulysses)} of its tokens, more than the per-rank load {cap} "
         f"(--micro-batch-size x --seq-length / --ulysses-degree); fit it with --ulysses-degree {need} "
         f"(the heads allowing) or a larger --micro-batch-size x --seq-length"
     )
@@ -177,9 +177,9 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def _per_rank(tokens: int, degree: int, cap: int, bucket: int) -> int:
+def _per_rank(tokens: int, ulysses: int, cap: int, bucket: int) -> int:
     """A rank's tokens of a cell: its share rounded up to the bucket, never past the load."""
-    return min(cap, _round_up(math.ceil(tokens / degree), bucket))
+    return min(cap, _round_up(math.ceil(tokens / ulysses), bucket))
 
 
 def _pack_cells(lengths, degrees: List[int], cap: int) -> List[List]:
@@ -202,18 +202,18 @@ def place(
     lengths: Sequence[int],
     *,
     ranks: int,
-    max_degree: int,
+    max_ulysses: int,
     cap: int,
     costs: Costs = Costs(),
     bucket: int = 1,
 ) -> Schedule:
-    """The placement of documents of ``lengths`` on ``ranks`` ranks (a multiple of ``max_degree``,
+    """The placement of documents of ``lengths`` on ``ranks`` ranks (a multiple of ``max_ulysses``,
     a power of two), at most ``cap`` tokens a rank in a micro-batch; the per-rank length of every
     cell is rounded up to a multiple of ``bucket`` (never past ``cap``) so a run sees few shapes
     (prepared calls, exchange buffers and the allocator's blocks stay few).  Deterministic: every
     rank computes the same schedule from the same lengths."""
-    _check(ranks, max_degree, cap, bucket)
-    degrees = [degree_for(L, cap, max_degree) for L in lengths]
+    _check(ranks, max_ulysses, cap, bucket)
+    degrees = [degree_for(L, cap, max_ulysses) for L in lengths]
     clock, busy = [0.0] * ranks, [0.0] * ranks
     per_rank: List[List[Cell]] = [[] for _ in range(ranks)]
     for order, (work, d, docs) in enumerate(_group_cells(lengths, degrees, cap, costs)):
@@ -290,11 +290,11 @@ def _spread(lengths, bins: List[List[int]], want: int) -> List[List[int]]:
     return bins
 
 
-def _check(ranks: int, max_degree: int, cap: int, bucket: int) -> None:
-    if max_degree < 1 or max_degree & (max_degree - 1):
-        raise ValueError(f"--dynamic-ulysses needs --ulysses-degree a power of two, not {max_degree}")
-    if ranks % max_degree:
-        raise ValueError(f"{ranks} data-parallel x Ulysses ranks are not a multiple of --ulysses-degree {max_degree}")
+def _check(ranks: int, max_ulysses: int, cap: int, bucket: int) -> None:
+    if max_ulysses < 1 or max_ulysses & (max_ulysses - 1):
+        raise ValueError(f"--dynamic-ulysses needs --ulysses-degree a power of two, not {max_ulysses}")
+    if ranks % max_ulysses:
+        raise ValueError(f"{ranks} data-parallel x Ulysses ranks are not a multiple of --ulysses-degree {max_ulysses}")
     if cap < 1 or bucket < 1:
         raise ValueError(f"the per-rank load ({cap}) and the bucket ({bucket}) must be positive")
 
@@ -323,24 +323,24 @@ def samples_of(lengths: Sequence[int], seq: int, count: int) -> List[List[int]]:
     return out
 
 
-def step_times(samples: List[List[int]], *, ranks: int, max_degree: int, costs: Costs) -> Dict[str, float]:
+def step_times(samples: List[List[int]], *, ranks: int, max_ulysses: int, costs: Costs) -> Dict[str, float]:
     """The cost model's step time (busiest rank) of a global batch ``samples`` on ``ranks`` ranks:
-    the fixed degree ``max_degree`` (data-parallel groups take contiguous samples), degree 1 (every
+    the fixed degree ``max_ulysses`` (data-parallel groups take contiguous samples), degree 1 (every
     rank whole samples) and the dynamic placement."""
     seq = sum(samples[0])
-    dp = ranks // max_degree
+    dp = ranks // max_ulysses
 
-    def fixed(degree: int, groups: int) -> float:
+    def fixed(ulysses: int, groups: int) -> float:
         per = len(samples) // groups
         return max(
-            sum(costs.document(L, degree) for s in samples[g * per : (g + 1) * per] for L in s) + per * costs.cell
+            sum(costs.document(L, ulysses) for s in samples[g * per : (g + 1) * per] for L in s) + per * costs.cell
             for g in range(groups)
         )
 
     schedule = place(
-        [L for s in samples for L in s], ranks=ranks, max_degree=max_degree, cap=seq // max_degree, costs=costs
+        [L for s in samples for L in s], ranks=ranks, max_ulysses=max_ulysses, cap=seq // max_ulysses, costs=costs
     )
-    return {"fixed": fixed(max_degree, dp), "degree 1": fixed(1, ranks), "dynamic": max(schedule.finish)}
+    return {"fixed": fixed(max_ulysses, dp), "degree 1": fixed(1, ranks), "dynamic": max(schedule.finish)}
 
 
 __all__ = ["Costs", "Cell", "Schedule", "PlacementError", "degree_for", "place", "samples_of", "step_times"]

@@ -28,115 +28,46 @@ the ring's shifts are waited on before the next block on CPU/gloo).
 from __future__ import annotations
 
 import itertools
-from dataclasses import asdict, dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
+from ..topology import Topology
 from .memory_model import estimate
-
-# --------------------------------------------------------------------------- models
-MODELS = {  # Llama-style, SwiGLU, GQA; "tiny" is what a 2-core CPU world trains in seconds
-    "tiny": dict(
-        num_layers=4,
-        hidden_size=128,
-        num_attention_heads=8,
-        num_query_groups=4,
-        ffn_hidden_size=384,
-        vocab_size=384,
-        swiglu=False,
-    ),
-    "llama8b": dict(
-        num_layers=32,
-        hidden_size=4096,
-        num_attention_heads=32,
-        num_query_groups=8,
-        ffn_hidden_size=14336,
-        vocab_size=128256,
-        swiglu=True,
-    ),
-    "llama70b": dict(
-        num_layers=80,
-        hidden_size=8192,
-        num_attention_heads=64,
-        num_query_groups=8,
-        ffn_hidden_size=28672,
-        vocab_size=128256,
-        swiglu=True,
-    ),
-}
-
-
-@dataclass(frozen=True)
-class Layout:
-    tp: int = 1
-    ulysses: int = 1
-    cp: int = 1
-    pp: int = 1
-    dp: int = 1
-
-    @property
-    def name(self) -> str:
-        return f"tp{self.tp}-u{self.ulysses}-cp{self.cp}-pp{self.pp}-dp{self.dp}"
-
-    @property
-    def world(self) -> int:
-        return self.tp * self.ulysses * self.cp * self.pp * self.dp
-
-    def flags(self) -> List[str]:
-        return [
-            "--tensor-model-parallel-size",
-            str(self.tp),
-            "--ulysses-degree",
-            str(self.ulysses),
-            "--context-parallel-size",
-            str(self.cp),
-            "--pipeline-model-parallel-size",
-            str(self.pp),
-        ]
-
-    @staticmethod
-    def parse(name: str) -> Layout:
-        try:
-            parts = {p.rstrip("0123456789"): int(p[len(p.rstrip("0123456789")) :]) for p in name.split("-")}
-            return Layout(parts["tp"], parts["u"], parts["cp"], parts["pp"], parts["dp"])
-        except (KeyError, ValueError):
-            raise ValueError(f"layout {name!r}: write it as tpT-uU-cpC-ppP-dpD, e.g. tp2-u2-cp1-pp1-dp1") from None
+from .shape import ModelShape, model_named
 
 
 @dataclass
 class Run:
-    """What a sweep runs: the model, the sequence, the batch."""
+    """What a sweep runs: the model (a preset's name or a :class:`ModelShape`), the sequence, the batch."""
 
-    model: str = "tiny"
+    model: Union[str, ModelShape] = "tiny"
     seq_length: int = 512
     micro_batch_size: int = 1
     global_batch_size: int = 4
     bf16: bool = False
     recompute: Optional[str] = None  # "full": Megatron's full activation recompute
     distributed_optimizer: bool = False
-    extra: Dict = field(default_factory=dict)
+
+    SETTINGS = ("model", "seq_length", "micro_batch_size", "global_batch_size")
+
+    def settings(self) -> Dict:
+        """What a sweep record says of its run (a preset's name as the model)."""
+        if not isinstance(self.model, str):
+            raise ValueError("a sweep runs a preset model (--model): its record names it")
+        return {k: getattr(self, k) for k in self.SETTINGS}
+
+    @classmethod
+    def from_settings(cls, settings: Dict) -> Run:
+        return cls(**{k: settings[k] for k in cls.SETTINGS})
 
     @property
-    def config(self) -> dict:
-        if self.model not in MODELS:
-            raise ValueError(f"--model {self.model!r} is unknown: use one of {sorted(MODELS)}")
-        return dict(MODELS[self.model], **self.extra)
+    def shape(self) -> ModelShape:
+        return self.model if isinstance(self.model, ModelShape) else model_named(self.model)
 
     def trainer_flags(self) -> List[str]:
-        c = self.config
-        flags = [
-            "--num-layers",
-            c["num_layers"],
-            "--hidden-size",
-            c["hidden_size"],
-            "--num-attention-heads",
-            c["num_attention_heads"],
-            "--group-query-attention",
-            "--num-query-groups",
-            c["num_query_groups"],
-            "--ffn-hidden-size",
-            c["ffn_hidden_size"],
+        flags = self.shape.flags() + [
             "--seq-length",
             self.seq_length,
             "--max-position-embeddings",
@@ -146,7 +77,6 @@ class Run:
             "--global-batch-size",
             self.global_batch_size,
         ]
-        flags += ["--swiglu"] if c.get("swiglu") else []
         flags += ["--bf16"] if self.bf16 else []
         flags += ["--recompute-granularity", self.recompute] if self.recompute else []
         flags += ["--use-distributed-optimizer"] if self.distributed_optimizer else []
@@ -159,16 +89,16 @@ def _divisors(n: int) -> List[int]:
 
 def enumerate_layouts(
     world: int, run: Run, budget_gb: Optional[float] = None, *, accepts: Optional[Callable] = None
-) -> Tuple[List[Layout], Dict]:
+) -> Tuple[List[Topology], Dict]:
     """(the layouts ``accepts`` takes and the budget holds, {dropped layout name: reason}).
     ``accepts(flags, world)``: the trainer's verdict on a layout's flags ("" or why not; the CLI
     passes :func:`ulysses_mcore.megatron.trainer.arguments.layout_problem`); without it every layout that
     divides the world is considered."""
     keep, dropped = [], {}
-    for tp, u, cp, pp in itertools.product(*[_divisors(world)] * 4):
-        if world % (tp * u * cp * pp):
+    for tp, ulysses, cp, pp in itertools.product(*[_divisors(world)] * 4):
+        if world % (tp * ulysses * cp * pp):
             continue
-        lay = Layout(tp, u, cp, pp, world // (tp * u * cp * pp))
+        lay = Topology.of(tp, ulysses, cp, pp, world // (tp * ulysses * cp * pp))
         problem = accepts(run.trainer_flags() + lay.flags(), world) if accepts is not None else ""
         if problem:
             dropped[lay.name] = problem
@@ -189,7 +119,7 @@ def enumerate_layouts(
     return keep, dropped
 
 
-def _estimate(run: Run, lay: Layout) -> dict:
+def _estimate(run: Run, lay: Topology) -> dict:
     """The memory model's estimate of ``run`` at ``lay``, per rank."""
     return estimate(
         seq_length=run.seq_length,
@@ -202,37 +132,21 @@ def _estimate(run: Run, lay: Layout) -> dict:
         bf16=run.bf16,
         recompute=run.recompute,
         distributed_optimizer=run.distributed_optimizer,
-        **run.config,
+        **run.shape.keywords(),
     )
 
 
-def memory_gb(run: Run, lay: Layout) -> float:
+def memory_gb(run: Run, lay: Topology) -> float:
     est = _estimate(run, lay)
     return est["total_bytes"] / 1e9
 
 
-# --------------------------------------------------------------------------- links
-def crosses_nodes(lay: Layout, axis: str, gpus_per_node: Optional[int]) -> bool:
-    """Whether the groups of ``axis`` span more than one node (ranks ordered tp-ulysses-cp-ep-dp-pp)."""
-    if not gpus_per_node:
-        return False
-    inner = {
-        "tp": 1,
-        "ulysses": lay.tp,
-        "cp": lay.tp * lay.ulysses,
-        "dp": lay.tp * lay.ulysses * lay.cp,
-        "pp": lay.tp * lay.ulysses * lay.cp * lay.dp,
-    }[axis]
-    size = getattr(lay, axis)
-    return size > 1 and inner * size > gpus_per_node
-
-
 # --------------------------------------------------------------------------- features
-def features(run: Run, lay: Layout, gpus_per_node: Optional[int] = None) -> Dict[str, float]:
+def features(run: Run, lay: Topology, gpus_per_node: Optional[int] = None) -> Dict[str, float]:
     """Per rank, per step: the counts each phase's time is proportional to (see the module docstring)."""
-    c = run.config
-    L, h, V = c["num_layers"] / lay.pp, c["hidden_size"], c["vocab_size"]
-    heads, groups, ffn = c["num_attention_heads"], c["num_query_groups"], c["ffn_hidden_size"]
+    c = run.shape
+    L, h, V = c.num_layers / lay.pp, c.hidden_size, c.vocab_size
+    heads, groups, ffn = c.num_attention_heads, c.num_query_groups, c.ffn_hidden_size
     d, S, b = h // heads, run.seq_length, run.micro_batch_size
     m = run.global_batch_size // (b * lay.dp)  # micro-batches per rank per step
     tokens = S * b / (lay.ulysses * lay.cp)  # per rank per micro-batch
@@ -240,7 +154,7 @@ def features(run: Run, lay: Layout, gpus_per_node: Optional[int] = None) -> Dict
     est = _estimate(run, lay)
     passes = 4 if run.recompute == "full" else 3  # forward + backward (2x), + the forward again under recompute
     attn = passes * 4 * b * S * S * d * heads / (lay.tp * lay.ulysses * lay.cp) * 0.5 * L * m
-    mlp = passes * 2 * tokens * h * ffn * (3 if c.get("swiglu") else 2) / lay.tp * L * m
+    mlp = passes * 2 * tokens * h * ffn * (3 if c.swiglu else 2) / lay.tp * L * m
     other = passes * 2 * tokens * (h * (heads + 2 * groups) * d + heads * d * h) / lay.tp * L * m
     other += 3 * 2 * tokens * h * V / lay.tp * m  # the output layer (last stage, not recomputed)
     f = {
@@ -254,23 +168,20 @@ def features(run: Run, lay: Layout, gpus_per_node: Optional[int] = None) -> Dict
         "pp_bytes_intra": 2 * 2 * tokens * h * act * m if lay.pp > 1 else 0.0,  # activations and their grads
     }
     for kind, key, n in (("a2a", "a2a_bytes_per_layer", 4), ("ring", "ring_bytes_per_layer", 3 * lay.cp - 2)):
-        link = "inter" if crosses_nodes(lay, "ulysses" if kind == "a2a" else "cp", gpus_per_node) else "intra"
+        link = "inter" if lay.crosses_nodes("ulysses" if kind == "a2a" else "cp", gpus_per_node) else "intra"
         f[f"{kind}_bytes_{link}"] = est[key] * L * m
         f[f"{kind}_msgs"] = (n * L * m) if est[key] else 0.0
     tp_bytes = 4 * 2 * (lay.tp - 1) / lay.tp * tokens * h * act * L * m  # 2 all-reduces fwd + 2 bwd a layer
     dpx = lay.dp * lay.ulysses * lay.cp
     dp_bytes = 2 * (dpx - 1) / dpx * est["params_per_rank"] * 4  # fp32 gradient buffer
     # half the tensor-parallel all-reduces are inside the MLP (fc2's forward, fc1's backward), half outside
-    for kind, axis, nbytes in (("tp_mlp", "tp", tp_bytes / 2), ("tp", "tp", tp_bytes / 2), ("dp", "dp", dp_bytes)):
-        link = (
-            "inter"
-            if crosses_nodes(lay, axis, gpus_per_node)
-            or (
-                kind == "dp"
-                and (crosses_nodes(lay, "ulysses", gpus_per_node) or crosses_nodes(lay, "cp", gpus_per_node))
-            )
-            else "intra"
-        )
+    # the gradient reduction runs over dp x ulysses x cp: it crosses nodes where that group does
+    for kind, axes, nbytes in (
+        ("tp_mlp", "tp", tp_bytes / 2),
+        ("tp", "tp", tp_bytes / 2),
+        ("dp", "ulysses-cp-dp", dp_bytes),
+    ):
+        link = "inter" if lay.crosses_nodes(axes, gpus_per_node) else "intra"
         f[f"{kind}_bytes_{link}"] = f.get(f"{kind}_bytes_{link}", 0.0) + nbytes
     return f
 
@@ -310,7 +221,7 @@ def _nnls(A: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def _row_features(row, run: Run, gpus_per_node=None) -> Dict[str, float]:
-    f = features(run, Layout.parse(row["layout"]), gpus_per_node)
+    f = features(run, Topology.parse(row["layout"]), gpus_per_node)
     f["const"] = 1.0
     return f
 
@@ -335,7 +246,7 @@ def _phase_time(row, phase) -> float:
     return row.get(f"{phase}_s", 0.0)
 
 
-def predict(rates, run: Run, lay: Layout, gpus_per_node: Optional[int] = None) -> Dict[str, float]:
+def predict(rates, run: Run, lay: Topology, gpus_per_node: Optional[int] = None) -> Dict[str, float]:
     """Predicted seconds per phase and per step."""
     f = features(run, lay, gpus_per_node)
     f["const"] = 1.0
@@ -418,21 +329,14 @@ def rank_correlation(a, b) -> float:
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
-def layout_dict(lay: Layout) -> dict:
-    return dict(asdict(lay), name=lay.name)
-
-
 __all__ = [
-    "Layout",
     "Run",
-    "MODELS",
     "PRESETS",
     "enumerate_layouts",
     "features",
     "fit",
     "predict",
     "gpu_rates",
-    "crosses_nodes",
     "memory_gb",
     "rank_correlation",
 ]

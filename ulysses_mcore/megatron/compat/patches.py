@@ -135,19 +135,19 @@ def fold_args(args):
     before any collective."""
     if getattr(args, "_ulysses_folded", False):
         return args
-    u, ring = _check_flags(args)
-    args.context_parallel_size = u * ring
-    if u > 1 and ring > 1:
-        args.hierarchical_context_parallel_sizes = [u, ring]
+    ulysses, ring = _check_flags(args)
+    args.context_parallel_size = ulysses * ring
+    if ulysses > 1 and ring > 1:
+        args.hierarchical_context_parallel_sizes = [ulysses, ring]
     args._ulysses_folded = True
     _STATE.update(
-        ulysses=u,
+        ulysses=ulysses,
         cp=ring,
         backend=getattr(args, "ulysses_attention_backend", "auto"),
         loss_chunk=getattr(args, "loss_chunk_tokens", None),
         mlp_chunk=getattr(args, "mlp_chunk_tokens", None),
     )
-    if u > 1:
+    if ulysses > 1:
         _use_ulysses_in_local_spec()
     return args
 
@@ -163,9 +163,9 @@ DYNAMIC_REFUSED = (
 
 def _check_flags(args):
     """``(ulysses, ring)`` degrees of the flags, or the ``ValueError`` that names the flag."""
-    u = getattr(args, "ulysses_degree", 1) or 1
-    if u < 1:
-        raise ValueError(f"--ulysses-degree must be >= 1, got {u}")
+    ulysses = getattr(args, "ulysses_degree", 1) or 1
+    if ulysses < 1:
+        raise ValueError(f"--ulysses-degree must be >= 1, got {ulysses}")
     if getattr(args, "dynamic_ulysses", False):
         raise ValueError(DYNAMIC_REFUSED)
     for flag in ("loss_chunk_tokens", "mlp_chunk_tokens"):
@@ -174,15 +174,17 @@ def _check_flags(args):
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1 (leave it out to turn it off), got {v}")
     ring = getattr(args, "context_parallel_size", 1) or 1
     heads = getattr(args, "num_attention_heads", None)
-    if heads is not None and u > 1:
+    if heads is not None and ulysses > 1:
         from ulysses_mcore.topology import Topology
 
         tp = getattr(args, "tensor_model_parallel_size", 1) or 1
         pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
-        world = getattr(args, "world_size", None) or tp * u * ring * pp
+        world = getattr(args, "world_size", None) or tp * ulysses * ring * pp
         groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", True) else None
-        Topology(world, tp=tp, ulysses=u, cp=ring, pp=pp).check_model(heads, groups, getattr(args, "seq_length", None))
-    return u, ring
+        Topology(world, tp=tp, ulysses=ulysses, cp=ring, pp=pp).check_model(
+            heads, groups, getattr(args, "seq_length", None)
+        )
+    return ulysses, ring
 
 
 def _use_ulysses_in_local_spec():

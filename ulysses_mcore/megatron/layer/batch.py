@@ -144,30 +144,30 @@ def pad_batch(batch: Dict[str, torch.Tensor], multiple: int, *, pad_token_id: in
 
 
 def shard_sequence(
-    t: torch.Tensor, rank: int, degree: int, *, dim: int = 1, load_balanced: bool = True
+    t: torch.Tensor, rank: int, ulysses: int, *, dim: int = 1, load_balanced: bool = True
 ) -> torch.Tensor:
     """This rank's share of ``t`` along ``dim`` (contiguous block, or chunks r and 2P-1-r)."""
-    if degree == 1:
+    if ulysses == 1:
         return t
     S = t.shape[dim]
-    parts = 2 * degree if load_balanced else degree
+    parts = 2 * ulysses if load_balanced else ulysses
     if S % parts:
         raise ValueError(
             f"sequence length {S} is not divisible by {parts} "
-            f"({'2 x ' if load_balanced else ''}the sequence-sharding degree {degree}): "
+            f"({'2 x ' if load_balanced else ''}the sequence-sharding degree {ulysses}): "
             f"pass pad_to_multiple_of={parts} (padding is masked) or change --seq-length"
         )
     chunks = t.chunk(parts, dim=dim)
     if not load_balanced:
         return chunks[rank].contiguous()
-    return torch.cat([chunks[rank], chunks[2 * degree - 1 - rank]], dim=dim)
+    return torch.cat([chunks[rank], chunks[2 * ulysses - 1 - rank]], dim=dim)
 
 
 def shard_batch(
     batch: Dict[str, torch.Tensor],
     *,
     rank: Optional[int] = None,
-    degree: Optional[int] = None,
+    ulysses: Optional[int] = None,
     load_balanced: Optional[bool] = None,
     pad_to_multiple_of: Optional[int] = None,
     pad_token_id: int = 0,
@@ -177,12 +177,12 @@ def shard_batch(
     ``batch``: ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` ``[b, s]`` and
     optionally ``attention_mask [b|1, 1, s, s]`` (bool, True = masked), which stays whole:
     Ulysses attention sees the full sequence.  A packed batch (:func:`pack_batch`: b = 1,
-    ``cu_seqlens``) is sharded as one stream and gets ``packed_seq_params``.  ``rank``/``degree`` default to this rank's
+    ``cu_seqlens``) is sharded as one stream and gets ``packed_seq_params``.  ``rank``/``ulysses`` default to this rank's
     place in the sample group (Ulysses x ring cp, Megatron's CP group);
     ``load_balanced`` defaults to ``degree > 1``'s Megatron convention (True)."""
-    if rank is None or degree is None:
+    if rank is None or ulysses is None:
         rank = ps.get_context_parallel_rank() if rank is None else rank
-        degree = ps.get_context_parallel_world_size() if degree is None else degree
+        ulysses = ps.get_context_parallel_world_size() if ulysses is None else ulysses
     if load_balanced is None:
         load_balanced = True
     if pad_to_multiple_of:
@@ -193,7 +193,7 @@ def shard_batch(
             out["packed_seq_params"] = packed_seq_params(val, batch["tokens"].shape[1])
             continue
         if key in SEQ_KEYS and val is not None:
-            out[key] = shard_sequence(val, rank, degree, dim=1, load_balanced=load_balanced)
+            out[key] = shard_sequence(val, rank, ulysses, dim=1, load_balanced=load_balanced)
         else:
             out[key] = val
     return out

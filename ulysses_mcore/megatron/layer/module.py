@@ -166,12 +166,12 @@ class UlyssesAttention(MegatronModule):
         tp, self.tp_rank = _tp_size_and_rank(tp_group)
         self.tp_group = tp_group
         self.group, self.ring_group = _given_groups(config, pg_collection, ulysses_group, ring_group)
-        self.degree, self.ring = _size(self.group), _size(self.ring_group)
+        self.ulysses, self.ring = _size(self.group), _size(self.ring_group)
         self.dynamic = dynamic  # --dynamic-ulysses: each micro-batch brings its group (PackedSeqParams.cp_group)
         self.calls = CallCache()  # this module's prepared (validated) call signatures
         self._sites: dict = {}  # its call sites (CallSite) by (causal, layout, token order, group, dropout)
         self._check_context_parallel(cp_size)
-        self._heads(config, tp, dynamic.max_degree if dynamic else 1)
+        self._heads(config, tp, dynamic.max_ulysses if dynamic else 1)
         # MLA passes k_channels (query/key head dim, for the default scale) and v_channels (value head
         # dim: the output's, read from the value itself), as to TE's module
         self.head_dim = k_channels or config.kv_channels
@@ -198,10 +198,10 @@ class UlyssesAttention(MegatronModule):
         err = backend_error("te")
         if err:
             raise ValueError(f"UlyssesAttention(backend='te'): {err}")
-        plan = HeadPlan(self.num_q_heads, self.num_kv_heads, self.degree)
-        rank = dist.get_rank(self.group) if self.degree > 1 else 0
+        plan = HeadPlan(self.num_q_heads, self.num_kv_heads, self.ulysses)
+        rank = dist.get_rank(self.group) if self.ulysses > 1 else 0
         lo, hi = plan.q_range(rank)
-        kv = hi - lo if self.degree > 1 and plan.kv_index_for_q(rank) is not None else plan.kv_count(rank)
+        kv = hi - lo if self.ulysses > 1 and plan.kv_index_for_q(rank) is not None else plan.kv_count(rank)
         return TEAttention(
             hi - lo,
             kv,
@@ -214,14 +214,14 @@ class UlyssesAttention(MegatronModule):
         )
 
     def _check_context_parallel(self, cp_size: int) -> None:
-        if (cp_size > 1 or self.ring > 1) and cp_size != self.degree * self.ring:
+        if (cp_size > 1 or self.ring > 1) and cp_size != self.ulysses * self.ring:
             raise ValueError(
-                f"config.context_parallel_size={cp_size} but the Ulysses group has {self.degree} ranks and the "
+                f"config.context_parallel_size={cp_size} but the Ulysses group has {self.ulysses} ranks and the "
                 f"ring {self.ring}: Megatron's context-parallel size must be --ulysses-degree x "
                 "--context-parallel-size; build the groups with ulysses_mcore.initialize(ulysses=..., cp=...)"
             )
 
-    def _heads(self, config, tp: int, max_degree: int = 1) -> None:
+    def _heads(self, config, tp: int, max_ulysses: int = 1) -> None:
         """Head counts per tensor-parallel rank, on the instance (never in process-global state),
         checked against the degree (and, ``--dynamic-ulysses``, every power of two up to its largest)."""
         heads, groups = config.num_attention_heads, config.num_query_groups or config.num_attention_heads
@@ -232,15 +232,15 @@ class UlyssesAttention(MegatronModule):
             )
         self.num_q_heads, self.num_kv_heads = heads // tp, groups // tp
         self.checks = (("expected_heads", (self.num_q_heads, self.num_kv_heads)),)
-        for d in sorted({self.degree, *powers_of_two(max_degree)}):
+        for d in sorted({self.ulysses, *powers_of_two(max_ulysses)}):
             self._head_layout(config, tp, d)
 
-    def _head_layout(self, config, tp: int, degree: int) -> None:
-        err = head_layout_error(self.num_q_heads, self.num_kv_heads, degree)
+    def _head_layout(self, config, tp: int, ulysses: int) -> None:
+        err = head_layout_error(self.num_q_heads, self.num_kv_heads, ulysses)
         if err:
             heads, groups = config.num_attention_heads, config.num_query_groups or config.num_attention_heads
             raise ValueError(
-                f"--ulysses-degree {degree} does not fit the heads per tensor-parallel rank "
+                f"--ulysses-degree {ulysses} does not fit the heads per tensor-parallel rank "
                 f"(tp={tp}, --num-attention-heads {heads}, --num-query-groups {groups}): {err}"
             )
 
@@ -370,7 +370,7 @@ class UlyssesAttention(MegatronModule):
         # one padded slot [0, total]: the stream sharded whole (this package's pack_batch + shard_batch);
         # more: Transformer Engine's / Megatron-LM's per-document layout, documents padded to 2 x CP
         per_document = padded is not None and padded.numel() > 2
-        if per_document and self.degree * self.ring > 1:
+        if per_document and self.ulysses * self.ring > 1:
             order = "per_document"
         if not per_document:
             return real, None, getattr(psp, "cu_seqlens_kv", None), order

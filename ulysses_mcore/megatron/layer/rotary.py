@@ -23,7 +23,7 @@ class DynamicOptions:
     """What a ``UlyssesAttention`` of ``--dynamic-ulysses`` needs: the largest degree (its heads are
     checked against every power of two up to it) and whether it applies RoPE (after the exchange)."""
 
-    max_degree: int
+    max_ulysses: int
     rope: bool = True
 
 

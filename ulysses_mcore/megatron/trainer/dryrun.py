@@ -30,6 +30,7 @@ from typing import Dict, List
 import torch
 
 from ulysses_mcore import fakeworld as fw
+from ulysses_mcore.planning.shape import ModelShape
 
 
 @dataclass
@@ -73,7 +74,7 @@ def _batch(args, topo, dynamic_groups):
     mbs, seq = args.micro_batch_size, args.seq_length
     text = torch.randint(0, 256, (mbs, seq + 1))
     if dynamic_groups is None:
-        sharded = shard_batch(make_lm_batch(text), rank=ps.get_context_parallel_rank(), degree=topo.ulysses * topo.cp)
+        sharded = shard_batch(make_lm_batch(text), rank=ps.get_context_parallel_rank(), ulysses=topo.ulysses * topo.cp)
         return to_device(sharded, torch.device("cuda", 0)), None
     return _dynamic_cell(args, topo, dynamic_groups, text)
 
@@ -95,7 +96,7 @@ def _dynamic_cell(args, topo, groups, text):
     docs = [total * 3 // 4, total - total * 3 // 4]
     mine = make_lm_batch(text.reshape(1, -1)[:, : per_rank + 1])
     cu = torch.tensor([0, docs[0], total], dtype=torch.int32)
-    cell = Cell(order=0, first=0, degree=U, docs=(0, 1), tokens=total, per_rank=per_rank)
+    cell = Cell(order=0, first=0, ulysses=U, docs=(0, 1), tokens=total, per_rank=per_rank)
     mine["packed_seq_params"] = PackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=cu,
@@ -108,29 +109,19 @@ def _dynamic_cell(args, topo, groups, text):
 
 
 def _planning_records(args, topo):
-    """(step_time.Run, step_time.Layout) of the flags: one micro-batch per step."""
+    """(step_time.Run, the layout) of the flags: one micro-batch per step."""
     from ulysses_mcore.planning import step_time
 
-    shape = dict(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups or args.num_attention_heads,
-        ffn_hidden_size=_ffn(args),
-        vocab_size=args.vocab_size,
-        swiglu=args.swiglu,
-    )
     run = step_time.Run(
-        model="tiny",
+        model=ModelShape.from_args(args),
         seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size,
         global_batch_size=args.micro_batch_size * topo.dp,
         bf16=args.bf16,
         recompute=args.recompute_granularity,
         distributed_optimizer=args.use_distributed_optimizer,
-        extra=shape,
     )
-    return run, step_time.Layout(tp=topo.tp, ulysses=topo.ulysses, cp=topo.cp, pp=topo.pp, dp=topo.dp)
+    return run, topo
 
 
 def model_forward_tflop(args, topo) -> Dict[str, float]:
@@ -158,12 +149,7 @@ def plan_estimate(args, topo) -> dict:
     from ulysses_mcore.planning.memory_model import estimate
 
     est = estimate(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups,
-        ffn_hidden_size=_ffn(args),
-        vocab_size=args.vocab_size,
+        **ModelShape.from_args(args).keywords(),
         seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size,
         tp=topo.tp,
@@ -172,19 +158,12 @@ def plan_estimate(args, topo) -> dict:
         pp=topo.pp,
         bf16=args.bf16,
         recompute=args.recompute_granularity,
-        swiglu=args.swiglu,
         distributed_optimizer=args.use_distributed_optimizer,
         dp=topo.dp,
         loss_chunk_tokens=args.loss_chunk_tokens,
         mlp_chunk_tokens=args.mlp_chunk_tokens,
     )
     return {k: v / 1e9 for k, v in est.items() if k.endswith("_bytes")}
-
-
-def _ffn(args) -> int:
-    if args.ffn_hidden_size:
-        return args.ffn_hidden_size
-    return int((4 * args.hidden_size * 2 / 3) / 64) * 64 if args.swiglu else 4 * args.hidden_size
 
 
 def _states_gb(args, topo, params: int):

@@ -31,32 +31,35 @@ from ulysses_mcore.agreement import agree, digest
 from ulysses_mcore.megatron.layer.batch import pack_batch
 from ulysses_mcore.megatron.trainer.arguments import padded_vocab
 from ulysses_mcore.planning.placement import Cell, Costs, Schedule, place, powers_of_two
+from ulysses_mcore.planning.shape import ModelShape
+from ulysses_mcore.topology import Topology
 from ulysses_mcore.planning.step_time import PRESETS, gpu_rates
 
 
 class DynamicGroups:
-    """The groups of every power-of-two degree ``2 .. max_degree``: for each tensor-parallel rank ``t``,
-    its line of ranks ``t, t + tp, t + 2 tp, ...`` (Megatron's data-parallel group with context
-    parallelism 1 and order tp-cp-ep-dp-pp), cut into aligned blocks.  Every rank creates every group
-    in the same order (``new_group`` is collective)."""
+    """The groups of every power-of-two degree ``2 .. max_ulysses``: for each tensor-parallel rank,
+    its line of ranks (the data-parallel group of the :class:`~ulysses_mcore.topology.Topology` with
+    context parallelism 1: Megatron's), cut into aligned blocks.  Every rank creates every group in
+    the same order (``new_group`` is collective)."""
 
-    def __init__(self, world: int, tp: int, max_degree: int):
-        self.ranks = world // tp  # ranks on one line
-        self.max_degree = max_degree
+    def __init__(self, world: int, tp: int, max_ulysses: int):
+        line = Topology(world, tp=tp)
+        lines = line.groups("dp")  # one per tensor-parallel rank
         me = dist.get_rank()
-        self.index = me // tp
+        self.ranks = line.dp  # ranks on one line
+        self.max_ulysses = max_ulysses
+        self.index = line.coords(me)["dp"]
         self._mine: Dict[tuple, object] = {}
-        for d in powers_of_two(max_degree):
+        for d in powers_of_two(max_ulysses):
             for first in range(0, self.ranks, d):
-                for t in range(tp):
-                    members = [t + tp * (first + j) for j in range(d)]
+                for members in (ranks[first : first + d] for ranks in lines):
                     g = dist.new_group(members)
                     if me in members:
                         self._mine[(first, d)] = g
 
     def group(self, cell: Cell):
         """This rank's group for ``cell`` (``None`` for a cell of one rank)."""
-        return None if cell.degree == 1 else self._mine[(cell.first, cell.degree)]
+        return None if cell.ulysses == 1 else self._mine[(cell.first, cell.ulysses)]
 
     def mine(self) -> list:
         """The groups this rank is in."""
@@ -91,7 +94,7 @@ class DynamicBatches:
         schedule = place(
             lengths,
             ranks=self.groups.ranks,
-            max_degree=self.groups.max_degree,
+            max_ulysses=self.groups.max_ulysses,
             cap=self.cap,
             costs=self.costs,
             bucket=self.bucket,
@@ -179,15 +182,7 @@ def costs_of(args) -> Costs:
     """The placement's cost model for the run's model: the rates of ``--dynamic-calibration FILE``
     (``ulysses-mcore fit``'s ``fit.json``), else the project's CPU fit on a CPU and the H200 preset
     on a GPU (``ulysses-mcore predict``'s)."""
-    model = dict(
-        hidden_size=args.hidden_size,
-        num_layers=args.num_layers,
-        ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups,
-        vocab_size=padded_vocab(args),
-        swiglu=args.swiglu,
-    )
+    model = ModelShape.from_args(args, vocab_size=padded_vocab(args))
     if args.dynamic_calibration:
         with open(args.dynamic_calibration) as f:
             rates = json.load(f)["rates"]

@@ -1,0 +1,119 @@
+"""The model's shape: one record read by plan, predict, the sweep, the dry run and the placement.
+
+A :class:`ModelShape` is what every cost and memory formula needs of a GPT and nothing of the run
+(the sequence, the batch, the degrees): layers, hidden size, heads, query groups, MLP width,
+vocabulary, SwiGLU.  Megatron's own defaults fill what a flag leaves out (query groups = heads,
+``ffn_hidden_size`` = 4 x hidden), so every reader sees the same numbers.  Pure Python: no torch,
+no Megatron.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Dict, List, Optional
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: Optional[int] = None  # None: one per head (Megatron's default)
+    ffn_hidden_size: Optional[int] = None  # None: Megatron's default (4 x hidden; 2/3 of it with SwiGLU)
+    vocab_size: int = 50304
+    swiglu: bool = False
+
+    def __post_init__(self):
+        if self.num_query_groups is None:
+            object.__setattr__(self, "num_query_groups", self.num_attention_heads)
+        if self.ffn_hidden_size is None:
+            ffn = int(4 * self.hidden_size * 2 / 3 / 64) * 64 if self.swiglu else 4 * self.hidden_size
+            object.__setattr__(self, "ffn_hidden_size", ffn)
+
+    @classmethod
+    def from_args(cls, args, vocab_size: Optional[int] = None) -> ModelShape:
+        """The shape of parsed flags (Megatron's names; ``vocab_size`` overrides the flags' own, e.g.
+        with Megatron's padding applied)."""
+        return cls(
+            num_layers=args.num_layers,
+            hidden_size=args.hidden_size,
+            num_attention_heads=args.num_attention_heads,
+            num_query_groups=getattr(args, "num_query_groups", None) or None,
+            ffn_hidden_size=getattr(args, "ffn_hidden_size", None) or None,
+            vocab_size=vocab_size or args.vocab_size,
+            swiglu=bool(getattr(args, "swiglu", False)),
+        )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def kv_hidden(self) -> int:
+        """Width of k (or v): the query groups' share of the hidden size."""
+        return self.hidden_size * self.num_query_groups // self.num_attention_heads
+
+    def keywords(self) -> Dict:
+        """The fields by name (the memory model's keywords)."""
+        return asdict(self)
+
+    def with_(self, **changes) -> ModelShape:
+        return replace(self, **changes)
+
+    def flags(self) -> List[str]:
+        """The trainer's flags of this shape (the vocabulary comes from the tokenizer, not a flag)."""
+        flags = [
+            "--num-layers",
+            self.num_layers,
+            "--hidden-size",
+            self.hidden_size,
+            "--num-attention-heads",
+            self.num_attention_heads,
+            "--group-query-attention",
+            "--num-query-groups",
+            self.num_query_groups,
+            "--ffn-hidden-size",
+            self.ffn_hidden_size,
+        ]
+        return [str(f) for f in flags] + (["--swiglu"] if self.swiglu else [])
+
+
+# Llama-style, SwiGLU, GQA; "tiny" is what a 2-core CPU world trains in seconds
+MODELS: Dict[str, ModelShape] = {
+    "tiny": ModelShape(
+        num_layers=4,
+        hidden_size=128,
+        num_attention_heads=8,
+        num_query_groups=4,
+        ffn_hidden_size=384,
+        vocab_size=384,
+    ),
+    "llama8b": ModelShape(
+        num_layers=32,
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_query_groups=8,
+        ffn_hidden_size=14336,
+        vocab_size=128256,
+        swiglu=True,
+    ),
+    "llama70b": ModelShape(
+        num_layers=80,
+        hidden_size=8192,
+        num_attention_heads=64,
+        num_query_groups=8,
+        ffn_hidden_size=28672,
+        vocab_size=128256,
+        swiglu=True,
+    ),
+}
+
+
+def model_named(name: str) -> ModelShape:
+    """A preset by name, or the error naming ``--model`` and the choices."""
+    if name not in MODELS:
+        raise ValueError(f"--model {name!r} is unknown: use one of {sorted(MODELS)}")
+    return MODELS[name]
+
+
+__all__ = ["ModelShape", "MODELS", "model_named"]
