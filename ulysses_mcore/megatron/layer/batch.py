@@ -177,9 +177,9 @@ def shard_batch(
     ``batch``: ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` ``[b, s]`` and
     optionally ``attention_mask [b|1, 1, s, s]`` (bool, True = masked), which stays whole:
     Ulysses attention sees the full sequence.  A packed batch (:func:`pack_batch`: b = 1,
-    ``cu_seqlens``) is sharded as one stream and gets ``packed_seq_params``.  ``rank``/``ulysses`` default to this rank's
-    place in the sample group (Ulysses x ring cp, Megatron's CP group);
-    ``load_balanced`` defaults to ``degree > 1``'s Megatron convention (True)."""
+    ``cu_seqlens``) is sharded as one stream and gets ``packed_seq_params``.  ``rank``/``ulysses``
+    default to this rank's place in the sample group (Ulysses x ring cp, Megatron's CP group);
+    ``load_balanced`` defaults to ``ulysses > 1``'s Megatron convention (True)."""
     if rank is None or ulysses is None:
         rank = ps.get_context_parallel_rank() if rank is None else rank
         ulysses = ps.get_context_parallel_world_size() if ulysses is None else ulysses
