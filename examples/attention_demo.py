@@ -53,10 +53,10 @@ def _reference(full, causal, d):
 
 def _bytes_sent(args, U, C, world, elem):
     """(all-to-all bytes per rank fwd+bwd, qkv and out bytes per direction, ring-shift bytes)."""
-    from ulysses_mcore import exchange
+    from ulysses_mcore import heads
 
     S, b, hq, d = args.seq_length, args.batch, args.heads, args.head_dim
-    plan = exchange.HeadPlan(hq, args.kv_heads, U)
+    plan = heads.HeadPlan(hq, args.kv_heads, U)
     qkv = (S // world) * b * sum(plan.chunk_heads(j) for j in range(U)) * d * elem
     out = (S // world) * b * hq * d * elem
     ring = (3 * C - 2) * 2 * (S // C) * b * max(plan.kv_count(j) for j in range(U)) * d * elem if C > 1 else 0

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import ulysses_mcore
-from ulysses_mcore import exchange
+from ulysses_mcore import heads
 from tests.helpers import count_collectives, reference_attention, run_threaded
 
 FP32_RTOL = 1e-5  # max |err| / max |ref|
@@ -108,7 +108,7 @@ CASES = [
 
 @pytest.mark.parametrize(
     "case",
-    [c for c in CASES if exchange.is_even(c[3], c[4], c[0])],
+    [c for c in CASES if heads.is_even(c[3], c[4], c[0])],
     ids=lambda c: "P{}_s{}_b{}_q{}kv{}_d{}_{}_{}".format(*c[:7], "causal" if c[7] else "full"),
 )
 def test_fp32_matches_float64_reference(case):
@@ -236,13 +236,13 @@ UNEVEN = [
 @pytest.mark.parametrize("case", UNEVEN, ids=lambda c: f"P{c[0]}_q{c[3]}kv{c[4]}_{c[6]}")
 def test_uneven_heads_match_reference(case):
     P, S, b, hq, hk, d, layout, causal, mask = case
-    assert not exchange.is_even(hq, hk, P) and exchange.head_layout_error(hq, hk, P) is None
+    assert not heads.is_even(hq, hk, P) and heads.head_layout_error(hq, hk, P) is None
     errs = run_case(P, S, b, hq, hk, d, layout, causal, mask=mask, bias=mask)
     assert max(errs) < FP32_RTOL, errs
 
 
 def test_uneven_split_and_kv_sharing():
-    from ulysses_mcore.exchange import HeadPlan
+    from ulysses_mcore.heads import HeadPlan
 
     p = HeadPlan(28, 7, 4)
     assert [p.q_range(r) for r in range(4)] == [(0, 7), (7, 14), (14, 21), (21, 28)]
@@ -257,7 +257,7 @@ def test_release_drops_the_prepared_calls_and_buffers():
     """ulysses_mcore.release(): the functional API's cache (which holds process groups) is emptied,
     and this thread's exchange buffers; the next call prepares again and is still exact."""
     from ulysses_mcore.attention import CALLS
-    from ulysses_mcore.exchange import POOL
+    from ulysses_mcore.transport import POOL
 
     g = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(64, 1, 4, 32, generator=g) for _ in range(3))

@@ -66,13 +66,13 @@ def bench_kernels(dev, seqs, dtype):
 
 def bench_copies(dev, S, dtype):
     """The exchange's pack (q, k, v -> send buffer) and gradient unpack copies, on one device."""
-    from ulysses_mcore import exchange
+    from ulysses_mcore import heads, routes
 
     rows = []
     for P in (2, 4, 8):
-        plan = exchange.HeadPlan(32, 8, P)
+        plan = heads.HeadPlan(32, 8, P)
         q, k, v = (torch.randn(S // P, 1, h, 128, device=dev, dtype=dtype) for h in (32, 8, 8))
-        route = exchange.qkv_route(q, v, plan, 0, "sbhd")
+        route = routes.qkv_route(q, v, plan, 0, "sbhd")
         t_pack = timeit(lambda: route.pack_all(q, k, v), dev)
         buf = route.pack_all(q, k, v).clone()
         t_unpack = timeit(lambda: route.unpack_grad_all(buf, k.shape, v.shape), dev)

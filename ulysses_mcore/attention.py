@@ -152,7 +152,7 @@ def release() -> None:
     the model.  Not needed for a clean exit: at exit the package lets go of every group it holds
     by itself (:func:`_let_go_at_exit`)."""
     from .backends import _TE_CACHE
-    from .exchange import POOL
+    from .transport import POOL
     from .orders import host_bounds, host_lengths
 
     CALLS.clear()

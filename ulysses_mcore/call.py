@@ -23,7 +23,9 @@ import torch
 import torch.distributed as dist
 
 from .backends import plain_sdpa_kernel, resolve, te_attention
-from .exchange import HeadPlan, OutRoute, exchange_out, exchange_qkv, kv_index, pack_lse, qkv_route, seq_dim, unpack_lse
+from .exchange import exchange_out, exchange_qkv, kv_index, pack_lse, unpack_lse
+from .heads import HeadPlan, seq_dim
+from .routes import OutRoute, qkv_route
 from .agreement import agree_call, digest
 from .options import NO_TENSORS, CallSite, CallTensors
 from .orders import token_orders

@@ -23,7 +23,7 @@ from .backends import (
     flash_head_dim_problem,
     flash_problem,
 )
-from .exchange import LAYOUTS, head_layout_error, is_even, overlap_error, seq_dim
+from .heads import LAYOUTS, head_layout_error, is_even, overlap_error, seq_dim
 from .options import CallSite, CallTensors, options_set
 from .orders import TOKEN_ORDERS
 

@@ -22,7 +22,9 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from .exchange import POOL, HeadPlan, OutRoute, QkvRoute
+from .heads import HeadPlan
+from .routes import OutRoute, QkvRoute
+from .transport import POOL
 
 
 class ChunkRoutes:

@@ -52,7 +52,8 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .exchange import all_to_all, seq_dim
+from .heads import seq_dim
+from .transport import all_to_all
 from .options import LSE_TILE, flash_takes_head_dim, has_window
 from .orders import document_ids, host_bounds
 

@@ -293,7 +293,7 @@ class Topology:
         load_balanced: Optional[bool] = None,
     ) -> None:
         """Raise :class:`TopologyError` if the model cannot be laid out on this topology."""
-        from .exchange import head_layout_error
+        from .heads import head_layout_error
 
         groups = num_query_groups or num_attention_heads
         if num_attention_heads % self.tp or groups % self.tp:

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .checks import CallView, int_list, local_problem
-from .exchange import seq_dim
+from .heads import seq_dim
 from .options import NO_TENSORS, AttentionOptions, CallSite, CallTensors, has_window
 from .orders import TOKEN_ORDERS
 

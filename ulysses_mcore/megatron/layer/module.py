@@ -27,7 +27,7 @@ from megatron.core.transformer.utils import is_layer_window_attention, make_shar
 
 from ulysses_mcore.backends import Kernel, TEAttention, backend_error, resolve
 from ulysses_mcore.call import CallCache
-from ulysses_mcore.exchange import HeadPlan, head_layout_error
+from ulysses_mcore.heads import HeadPlan, head_layout_error
 from ulysses_mcore.megatron.layer.rotary import RotaryKernel
 from ulysses_mcore.options import NO_TENSORS, CallSite, CallTensors, attention_options
 from ulysses_mcore.orders import LastOf
