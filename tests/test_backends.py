@@ -16,7 +16,6 @@ import torch.distributed as dist
 import ulysses_mcore
 from ulysses_mcore import backends, ring as ring_mod
 from ulysses_mcore.megatron.layer.batch import document_mask
-from ulysses_mcore.ring import attention_window, ring_segments, tile_segments
 from tests.helpers import count_collectives, reference_attention, run_threaded, run_threaded_errors
 from tests.test_attention import FP32_RTOL, rel_err
 from tests.test_ring import hybrid_groups, shard
@@ -237,35 +236,6 @@ def test_variants_keep_two_all_to_alls_each_way(lse):
     with count_collectives() as c:
         res = run_threaded(2, fn)
     assert res[0] == (2, 2), res
-
-
-def test_window_skips_tiles_outside_it():
-    """The tiled kernel computes only the tiles the window reaches: O(s x window) work and
-    memory, not O(s^2).  s = 4096, tile 64, causal window 128: 64 query tiles x 3 key tiles."""
-    segs = tile_segments([(0, 4096)], 64)
-    window = attention_window(True, (128, 0))
-    blocks = list(ring_mod._blocks(segs, segs, window, 1.0, None, None, None))
-    assert len(blocks) == 64 * 3 - 3  # tile 0 has no predecessor, tile 1 one
-    full = list(ring_mod._blocks(segs, segs, attention_window(True, None), 1.0, None, None, None))
-    assert len(full) == 64 * 65 // 2
-    # a ring skips whole ring shards beyond the window: C = 4, shards of 16 tokens, window 3
-    src_blocks = [
-        len(
-            list(
-                ring_mod._blocks(
-                    ring_segments(2, 4, 64, "contiguous"),
-                    ring_segments(src, 4, 64, "contiguous"),
-                    attention_window(True, (3, 0)),
-                    1.0,
-                    None,
-                    None,
-                    None,
-                )
-            )
-        )
-        for src in range(4)
-    ]
-    assert src_blocks == [0, 1, 1, 0]
 
 
 def test_callable_gets_the_global_heads_it_holds():

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 import ulysses_mcore
-from ulysses_mcore import ring as ring_mod
 from ulysses_mcore.megatron.layer.batch import document_mask
+from ulysses_mcore.blocks import blocks_of
 from ulysses_mcore.ring import ring_attention, ring_segments
 from tests.helpers import count_collectives, reference_attention, run_threaded, run_threaded_errors
 from tests.test_attention import FP32_RTOL, make_inputs, rel_err
@@ -102,20 +102,6 @@ def test_hybrid_matches_float64(case):
     assert max(errs) < FP32_RTOL, f"rel errors out, dq, dk, dv = {errs}"
 
 
-def test_fused_and_matmul_blocks_agree(monkeypatch):
-    """Unmasked fp32 CPU blocks take torch's fused flash kernel; the matmul form must match it."""
-    from ulysses_mcore.ring import _Block
-
-    assert _Block((0, 8), (0, 8), (None, 0), 1.0, None, None).fused(torch.zeros(1))  # diagonal: fused
-    assert not _Block((0, 8), (0, 8), (None, 0), 1.0, torch.zeros(1, 1, 8, 8, dtype=torch.bool), None).fused(
-        torch.zeros(1)
-    )
-    fused = run_hybrid(2, 2, 32, 2, 4, 2, 8, "sbhd", True, "load_balanced")
-    monkeypatch.setattr(ring_mod, "_CPU_FLASH", None)
-    matmul = run_hybrid(2, 2, 32, 2, 4, 2, 8, "sbhd", True, "load_balanced")
-    assert max(fused) < FP32_RTOL and max(matmul) < FP32_RTOL, (fused, matmul)
-
-
 def test_hybrid_bf16():
     errs = run_hybrid(2, 2, 64, 2, 4, 2, 16, "sbhd", True, "load_balanced", dtype=torch.bfloat16)
     assert max(errs) < 2e-2, errs
@@ -196,7 +182,7 @@ def test_ring_collectives_and_block_skipping():
         sum(
             len(
                 list(
-                    ring_mod._blocks(
+                    blocks_of(
                         ring_segments(j, C, S, "load_balanced"),
                         ring_segments(src, C, S, "load_balanced"),
                         (None, 0),
