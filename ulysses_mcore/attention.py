@@ -151,7 +151,7 @@ def release() -> None:
     document boundaries.  ``UlyssesAttention`` modules hold their own prepared calls: they go with
     the model.  Not needed for a clean exit: at exit the package lets go of every group it holds
     by itself (:func:`_let_go_at_exit`)."""
-    from .backends import _TE_CACHE
+    from .te import _TE_CACHE
     from .transport import POOL
     from .orders import host_bounds, host_lengths
 

@@ -22,7 +22,8 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from .backends import plain_sdpa_kernel, resolve, te_attention
+from .backends import plain_sdpa_kernel, resolve
+from .te import te_attention
 from .exchange import exchange_out, exchange_qkv, kv_index, pack_lse, unpack_lse
 from .heads import HeadPlan, seq_dim
 from .routes import OutRoute, qkv_route

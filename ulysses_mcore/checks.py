@@ -15,14 +15,8 @@ from typing import Optional, Tuple
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from .backends import (
-    BUILTIN_BACKENDS,
-    backend_error,
-    callable_accepts,
-    callable_option_error,
-    flash_head_dim_problem,
-    flash_problem,
-)
+from .backends import BUILTIN_BACKENDS, backend_error, callable_accepts, callable_option_error
+from .flash import flash_head_dim_problem, flash_problem
 from .heads import LAYOUTS, head_layout_error, is_even, overlap_error, seq_dim
 from .options import CallSite, CallTensors, options_set
 from .orders import TOKEN_ORDERS

@@ -1,0 +1,100 @@
+"""The ``flash`` backend: flash-attn 3 (``flash_attn_interface``, Hopper) or 2 (``flash_attn``) on
+the gathered sequence, dense or packed (varlen), CUDA fp16/bf16.  Import-guarded: nothing here
+imports flash-attn until a call runs on it."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Optional, Tuple
+
+
+from .options import FLASH_HEAD_DIM_STEP, FLASH_MAX_HEAD_DIM, flash_takes_head_dim
+from .varlen import first_output, kernel_window, padded_varlen
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def flash_choice(fa2: bool, fa3: bool, *, dropout: bool, mla: bool) -> Tuple[Optional[str], str]:
+    """Which flash-attn runs a call: ``("fa3" | "fa2", "")``, or ``(None, why)``.  flash-attn 3
+    (``flash_attn_interface``, Hopper) is preferred; it has no dropout, so dropout needs flash-attn 2;
+    value heads of another size (MLA) need flash-attn 3 (flash-attn 2 takes one head dim)."""
+    if fa3 and not dropout:
+        return "fa3", ""
+    if fa2 and not mla:
+        return "fa2", ""
+    if dropout and mla:
+        return None, "attention dropout with value heads of another size (MLA): no flash-attn kernel has both"
+    if dropout:
+        return None, (
+            "attention dropout needs flash-attn 2 (flash-attn 3 has no dropout): pip install flash-attn, "
+            "set --attention-dropout 0, or use backend='sdpa' / 'te'"
+        )
+    return None, (
+        "value heads of another size than query/key heads (multi-latent attention) need flash-attn 3: "
+        "install it, or use backend='sdpa' / 'te'"
+    )
+
+
+def flash_installed() -> Tuple[bool, bool]:
+    """(flash-attn 2 importable, flash-attn 3 importable)."""
+    return _installed("flash_attn"), _installed("flash_attn_interface")
+
+
+def flash_head_dim_problem(d: int, dv: int) -> str:
+    """Why flash-attn's kernels cannot take these head dims ("" if they can)."""
+    bad = [x for x in dict.fromkeys((d, dv)) if not flash_takes_head_dim(x)]
+    if not bad:
+        return ""
+    return (
+        f"backend='flash' takes head dims that are multiples of {FLASH_HEAD_DIM_STEP} up to {FLASH_MAX_HEAD_DIM} "
+        f"(query/key {d}, value {dv}): use backend='sdpa' or 'te', or a head dim such as "
+        f"{min(FLASH_MAX_HEAD_DIM, -(-bad[0] // FLASH_HEAD_DIM_STEP) * FLASH_HEAD_DIM_STEP)}"
+    )
+
+
+def flash_problem(dropout: bool, mla: bool) -> str:
+    """Why backend='flash' cannot run a call with these options here ("" if it can)."""
+    return flash_choice(*flash_installed(), dropout=dropout, mla=mla)[1]
+
+
+def _flash_functions(which: str):
+    """(dense, varlen) functions of flash-attn 2 or 3."""
+    if which == "fa3":
+        import flash_attn_interface as fa
+    else:
+        import flash_attn as fa
+    return fa.flash_attn_func, fa.flash_attn_varlen_func
+
+
+def flash_call_args(which: str, dropout_p: float, softmax_scale, causal: bool, window) -> dict:
+    """The keywords of a flash-attn call: flash-attn 3 takes no ``dropout_p`` (never passed)."""
+    kw = dict(softmax_scale=softmax_scale, causal=causal, window_size=window)
+    if which == "fa2":
+        kw["dropout_p"] = dropout_p
+    return kw
+
+
+def flash_attention(q, k, v, *, causal, softmax_scale=None, layout="sbhd", dropout_p=0.0, **kw):
+    """flash-attn's ``flash_attn_func`` (bshd, GQA native); ``flash_attn_varlen_func`` for
+    packed documents (``cu_seqlens``).  flash-attn 3 where installed, 2 for dropout
+    (:func:`flash_choice`)."""
+    if kw.get("attention_mask") is not None or kw.get("attention_bias") is not None:
+        raise ValueError(
+            "backend='flash' supports causal or no mask only; got an attention_mask or "
+            "attention_bias: use backend='sdpa' (or 'te') for masks and bias"
+        )
+    which, why = flash_choice(*flash_installed(), dropout=bool(dropout_p), mla=q.shape[-1] != v.shape[-1])
+    if which is None:
+        raise ValueError(f"backend='flash': {why}")
+    dense, varlen = _flash_functions(which)
+    args = flash_call_args(which, dropout_p, softmax_scale, causal, kernel_window(kw))
+    cu = kw.get("cu_seqlens")
+    if cu is not None:
+        return padded_varlen(varlen, args, q, k, v, cu, kw.get("seqlens"), kw.get("max_seqlen"))
+    to_bshd = (lambda t: t.transpose(0, 1)) if layout == "sbhd" else (lambda t: t)
+    return to_bshd(first_output(dense(to_bshd(q), to_bshd(k), to_bshd(v), **args)))

@@ -1,0 +1,108 @@
+"""The ``te`` backend: Transformer Engine's ``DotProductAttention`` on the gathered sequence (its
+own context parallelism off, or over the ring group for the hybrid), one module per shape, kept in
+a bounded cache.  Import-guarded: Transformer Engine is imported when a module is built."""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+from .varlen import kernel_window, varlen_args
+
+
+def te_mask_type(causal: bool, packed: bool, mask_shape=None) -> Tuple[str, bool]:
+    """``(attn_mask_type, fold)`` for Transformer Engine: ``fold`` = causality must be folded into
+    the mask itself.  Packed documents: TE's padding types with ``cu_seqlens``.  A key-padding mask
+    ``[b|1, 1, 1, s]``: the padding types (TE turns it into per-sequence lengths, so padding sits at
+    the end of each sequence, Megatron's convention).  A full ``[b|1, h|1, s, s]`` mask:
+    ``"arbitrary"`` with causality folded in (TE has no causal variant of an arbitrary mask; it runs
+    its unfused kernel: use ``sdpa`` for such masks at length).  No mask: ``causal`` / ``no_mask``
+    (TE's flash and fused kernels)."""
+    if packed or (mask_shape is not None and mask_shape[-2] == 1):
+        return ("padding_causal" if causal else "padding"), False
+    if mask_shape is not None:
+        return "arbitrary", causal
+    return ("causal" if causal else "no_mask"), False
+
+
+def _te_mask(mask, causal: bool):
+    """The mask TE gets for ``te_mask_type``'s ``"arbitrary"``: causality folded in (True = masked)."""
+    S, Sk = mask.shape[-2], mask.shape[-1]
+    upper = torch.ones(S, Sk, dtype=torch.bool, device=mask.device).triu(1)
+    return mask.to(torch.bool) | upper
+
+
+class TEAttention(torch.nn.Module):
+    """Transformer Engine's ``DotProductAttention`` for the heads one rank holds after the exchange,
+    built once: as a child of :class:`~ulysses_mcore.megatron.layer.module.UlyssesAttention` (its layer
+    number, its own FP8 metadata, its state in the model's state dict and checkpoints), or cached
+    per shape for the functional API.  With ``ring_group``, TE's own p2p ring over it (the input is
+    this rank's dual-chunk ring shard, which TE's load-balanced context parallelism expects).  The
+    format, mask type and window of each call go to TE's forward."""
+
+    def __init__(self, heads, kv_heads, d, dv, *, softmax_scale, dropout_p=0.0, layer_number=None, ring_group=None):
+        super().__init__()
+        import transformer_engine.pytorch as te
+
+        kw = dict(layer_number=layer_number) if layer_number is not None else {}
+        self.inner = te.DotProductAttention(
+            num_attention_heads=heads,
+            kv_channels=d if d == dv else (d, dv),  # MLA: value heads of another size
+            num_gqa_groups=kv_heads,
+            attention_dropout=dropout_p,
+            qkv_format="sbhd",
+            attn_mask_type="causal",
+            softmax_scale=softmax_scale,
+            **kw,
+        )
+        if ring_group is not None:
+            import torch.distributed as dist
+
+            self.inner.set_context_parallel_group(
+                ring_group, dist.get_process_group_ranks(ring_group), torch.cuda.Stream(), "p2p"
+            )
+
+    def forward(self, q, k, v, *, causal, softmax_scale=None, layout="sbhd", dropout_p=0.0, **kw):
+        return te_call(self.inner, q, k, v, causal=causal, layout=layout, **kw)
+
+
+def te_call(mod, q, k, v, *, causal, layout="sbhd", **kw):
+    """One call of a TE ``DotProductAttention`` with this call's format, mask type and window."""
+    mask, bias, cu = kw.get("attention_mask"), kw.get("attention_bias"), kw.get("cu_seqlens")
+    hq, dv = q.shape[2], v.shape[3]
+    mask_type, fold = te_mask_type(causal, cu is not None, None if mask is None else tuple(mask.shape))
+    call = dict(attn_mask_type=mask_type, window_size=kernel_window(kw, none=None))
+    if bias is not None:
+        call.update(core_attention_bias_type="post_scale_bias", core_attention_bias=bias)
+    if cu is None:
+        call.update(qkv_format=layout, attention_mask=_te_mask(mask, causal) if fold else mask)
+        return mod(q, k, v, **call).view(*q.shape[:2], hq, dv)
+    cu32, maxlen = varlen_args(cu, q.device, kw.get("max_seqlen"))
+    lens = kw.get("seqlens")
+    if lens is not None:  # TE's own padded-THD form: real cu_seqlens + padded offsets
+        real = torch.cat([lens.new_zeros(1), lens.cumsum(0)]).to(device=q.device, dtype=torch.int32)
+        call.update(cu_seqlens_q_padded=cu32, cu_seqlens_kv_padded=cu32)
+        cu32 = real
+    call.update(qkv_format="thd", cu_seqlens_q=cu32, cu_seqlens_kv=cu32, max_seqlen_q=maxlen, max_seqlen_kv=maxlen)
+    return mod(q[:, 0], k[:, 0], v[:, 0], **call).view(q.shape[0], 1, hq, dv)
+
+
+_TE_CACHE: dict = {}  # the functional API's TE modules by (heads, dims, scale, dropout, device, ring)
+_TE_CACHE_MAX = 32
+
+
+def te_attention(q, k, v, *, causal, softmax_scale=None, layout="sbhd", dropout_p=0.0, **kw):
+    """Transformer Engine for the functional API (``ulysses_attention(backend="te")``): one
+    :class:`TEAttention` per head shape, scale, dropout, device and ring, cached (bounded).  Inside
+    a Megatron model each ``UlyssesAttention`` owns its own instead."""
+    ring = kw.pop("ring_group", None)
+    key = (q.shape[2], k.shape[2], q.shape[3], v.shape[3], softmax_scale, dropout_p, q.device, ring)
+    mod = _TE_CACHE.get(key)
+    if mod is None:
+        if len(_TE_CACHE) >= _TE_CACHE_MAX:  # bounded: shapes seen once (evaluation, odd batches) do not pile up
+            _TE_CACHE.clear()
+        mod = _TE_CACHE[key] = TEAttention(
+            *key[:4], softmax_scale=softmax_scale, dropout_p=dropout_p, ring_group=ring
+        ).to(q.device)
+    return mod(q, k, v, causal=causal, layout=layout, **kw)
