@@ -10,12 +10,7 @@ checkpoint, every file's size and CRC-32, written at save time (the ranks share 
   the previous checkpoint stays published.  Publishing never deletes the published copy before
   its replacement is in place: a re-saved ``iter_N`` is renamed ``iter_N.old`` first, and the
   loader falls back to it if a kill lands between the two renames.
-* Load: before any tensor is read, every rank checks the same things -- the ``latest`` file,
-  the manifest (missing, truncated or corrupted files: the ranks split the reading and gather
-  what they found), ``train_state.pt``, the model flags, and the learning-rate schedule
-  against the command line (Megatron-LM's ``--override-opt_param-scheduler`` /
-  ``--use-checkpoint-opt_param-scheduler``) -- so every rank raises the same
-  :class:`CheckpointError`, naming the path and the cause, or none does.
+* Load: :mod:`ulysses_mcore.megatron.trainer.resume` checks all of it on every rank first.
 """
 
 from __future__ import annotations
@@ -75,16 +70,16 @@ def iter_dir(d: str, iteration: int) -> str:
     return os.path.join(d, f"iter_{iteration:07d}")
 
 
-def _flag(name: str) -> str:
+def flag_of(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0][:240]}" if text else type(e).__name__
 
 
-def _gather(obj) -> list:
+def gather(obj) -> list:
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
@@ -147,20 +142,20 @@ def _outcome(err: Optional[BaseException], path: str) -> Optional[dict]:
         inner = inner[0] if isinstance(inner, tuple) else inner
         if isinstance(inner, BaseException):
             err = inner
-    return {"rank": dist.get_rank(), "what": _first_line(err), "nospace": nospace, "free": free}
+    return {"rank": dist.get_rank(), "what": first_line(err), "nospace": nospace, "free": free}
 
 
 def _hash_share(root: str, names: List[str]) -> dict:
     """Size and CRC-32 of this rank's share of ``names`` (every world_size-th file)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     return {
-        name: {"size": os.path.getsize(os.path.join(root, name)), "crc32": _crc32(os.path.join(root, name))}
+        name: {"size": os.path.getsize(os.path.join(root, name)), "crc32": crc32(os.path.join(root, name))}
         for i, name in enumerate(names)
         if i % world == rank
     }
 
 
-def _crc32(path: str) -> int:
+def crc32(path: str) -> int:
     crc = 0
     with open(path, "rb") as f:
         while True:
@@ -197,9 +192,9 @@ def save_checkpoint(path, iteration, model, optimizer, scheduler, consumed_sampl
             os.makedirs(tmp)
         except OSError as e:
             err = e
-    _raise_if_failed(_gather(_outcome(err, path)), path, tmp, iteration)
+    _raise_if_failed(gather(_outcome(err, path)), path, tmp, iteration)
     err = _write_state(tmp, iteration, model, optimizer, scheduler, consumed_samples, args)
-    _raise_if_failed(_gather(_outcome(err, path)), path, tmp, iteration)
+    _raise_if_failed(gather(_outcome(err, path)), path, tmp, iteration)
     _write_manifest(path, tmp, iteration)
     publish_checkpoint(path, tmp, final, iteration)
     if rank == 0:
@@ -272,7 +267,7 @@ def _write_manifest(path, tmp, iteration):
         share = _hash_share(tmp, _list_files(tmp))
     except OSError as e:
         share, err = {}, e
-    shares = _gather((share, _outcome(err, path)))
+    shares = gather((share, _outcome(err, path)))
     if dist.get_rank() == 0 and not any(o for _, o in shares):
         try:
             files = {k: v for s, _ in shares for k, v in s.items()}
@@ -280,7 +275,7 @@ def _write_manifest(path, tmp, iteration):
                 json.dump({"format": 1, "iteration": iteration, "files": files}, f, indent=0, sort_keys=True)
         except OSError as e:
             err = e
-    _raise_if_failed([o for _, o in shares] + _gather(_outcome(err, path)), path, tmp, iteration)
+    _raise_if_failed([o for _, o in shares] + gather(_outcome(err, path)), path, tmp, iteration)
 
 
 def _previous(path: str) -> str:
@@ -335,204 +330,3 @@ def publish_checkpoint(path, tmp, final, iteration):
 
 
 # ------------------------------------------------------------------------ load
-def _read_latest(load: str) -> int:
-    lf = latest_file(load)
-    if not os.path.exists(lf):
-        raise CheckpointError(
-            f"--load {load}: no {os.path.basename(lf)}; is it a checkpoint directory? "
-            "(Megatron-LM's layout: iter_NNNNNNN/ folders and that file)"
-        )
-    with open(lf, "rb") as f:
-        raw = f.read(200)
-    text = raw.decode("utf-8", "replace").strip()
-    if not text.isdigit():
-        shown = repr(text[:40]) if text else "nothing"
-        raise CheckpointError(
-            f"--load {load}: {lf} holds {shown}, not an iteration number; write the iteration "
-            f"of a complete iter_NNNNNNN folder into it (for iter_0000002: 2)"
-        )
-    return int(text)
-
-
-def _check_files(ckpt: str) -> List[str]:
-    """This rank's share of the damage in ``ckpt`` (all of it where there is no manifest)."""
-    mpath = os.path.join(ckpt, MANIFEST)
-    if not os.path.exists(mpath):
-        return _check_without_manifest(ckpt) if dist.get_rank() == 0 else []
-    try:
-        with open(mpath) as f:
-            files = json.load(f)["files"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return [f"{mpath}: unreadable ({_first_line(e)})"] if dist.get_rank() == 0 else []
-    names = sorted(files)
-    problems, present = [], []
-    for i, name in enumerate(names):
-        if i % dist.get_world_size() != dist.get_rank():
-            continue
-        p, want = os.path.join(ckpt, name), files[name]
-        if not os.path.exists(p):
-            problems.append(f"{p}: missing")
-        elif os.path.getsize(p) != want["size"]:
-            size = os.path.getsize(p)
-            problems.append(
-                f"{p}: "
-                + (
-                    "empty (0 bytes)"
-                    if size == 0
-                    else f"truncated ({size} of {want['size']} bytes)"
-                    if size < want["size"]
-                    else f"{size} bytes, saved as {want['size']}"
-                )
-            )
-        else:
-            present.append(name)
-    for name in present:
-        crc = _crc32(os.path.join(ckpt, name))
-        if crc != files[name]["crc32"]:
-            problems.append(
-                f"{os.path.join(ckpt, name)}: corrupted (CRC-32 {crc:08x}, saved as {files[name]['crc32']:08x})"
-            )
-    return problems
-
-
-def _check_without_manifest(ckpt: str) -> List[str]:
-    """A checkpoint written without a manifest: the torch_dist metadata and the sizes it implies."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    meta = os.path.join(ckpt, ".metadata")
-    if not os.path.exists(meta):
-        return [f"{meta}: missing (not a complete torch_dist checkpoint)"]
-    try:
-        md = FileSystemReader(ckpt).read_metadata()
-    except Exception as e:  # noqa: BLE001 - any failure to parse is damage
-        return [f"{meta}: unreadable ({_first_line(e)})"]
-    need = {}
-    for info in (md.storage_data or {}).values():
-        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
-    problems = []
-    for name, size in sorted(need.items()):
-        p = os.path.join(ckpt, name)
-        if not os.path.exists(p):
-            problems.append(f"{p}: missing")
-        elif os.path.getsize(p) < size:
-            problems.append(f"{p}: truncated ({os.path.getsize(p)} of at least {size} bytes)")
-    return problems
-
-
-def inspect_checkpoint(args):
-    """Every check before any tensor is read: (checkpoint folder, train state).  Collective
-    (the ranks share the file checks); raises the same :class:`CheckpointError` on every rank."""
-    load = args.load
-    ckpt, note = _locate(load)
-    problems = sorted(p for share in _gather(_check_files(ckpt)) for p in share)
-    if problems:
-        more = f" and {len(problems) - 4} more" if len(problems) > 4 else ""
-        raise CheckpointError(
-            f"--load {load}: checkpoint {ckpt} is damaged: "
-            + "; ".join(problems[:4])
-            + more
-            + f". Resume from another checkpoint (its iteration in {latest_file(load)}) or "
-            "save this one again"
-        )
-    extra = _read_train_state(load, ckpt)
-    saved = extra.get("args", {})
-    diff = [
-        f"{_flag(k)} {saved.get(k)} (checkpoint) vs {getattr(args, k)} (now)"
-        for k in MODEL_FLAGS
-        if k in saved and saved.get(k) != getattr(args, k)
-    ]
-    if diff:
-        raise CheckpointError(
-            f"--load {load}: the checkpoint is from an incompatible model: "
-            + "; ".join(diff)
-            + ". Use the checkpoint's model flags (parallel degrees may change freely)"
-        )
-    _check_schedule(load, extra["scheduler"], saved, args)
-    return ckpt, extra, note
-
-
-def _locate(load):
-    """(the folder of the latest iteration, a note when it is the copy an interrupted re-save replaced)."""
-    iteration = _read_latest(load)
-    ckpt = iter_dir(load, iteration)
-    if not os.path.isdir(ckpt) and os.path.isdir(ckpt + ".old"):
-        return ckpt + ".old", " (a re-save of that iteration was interrupted: using the copy it replaced)"
-    if not os.path.isdir(ckpt):
-        raise CheckpointError(
-            f"--load {load}: {latest_file(load)} names iteration {iteration} but {ckpt} is missing; "
-            "write the iteration of a complete iter_NNNNNNN folder into it"
-        )
-    return ckpt, ""
-
-
-def _read_train_state(load, ckpt) -> dict:
-    ts = os.path.join(ckpt, TRAIN_STATE)
-    if not os.path.exists(ts):
-        raise CheckpointError(f"--load {load}: {ts} is missing: {ckpt} is incomplete")
-    if os.path.getsize(ts) == 0:
-        raise CheckpointError(f"--load {load}: {ts} is empty (0 bytes): {ckpt} is damaged")
-    try:
-        extra = torch.load(ts, weights_only=False, map_location="cpu")
-        if not isinstance(extra, dict) or "iteration" not in extra or "scheduler" not in extra:
-            raise ValueError("not a train state (no iteration / scheduler)")
-    except Exception as e:  # noqa: BLE001 - whatever unpickling says, the file is bad
-        raise CheckpointError(
-            f"--load {load}: {ts} is not a readable train state ({_first_line(e)}): {ckpt} is damaged"
-        ) from None
-    return extra
-
-
-def _check_schedule(load, sched, saved, args):
-    if args.override_opt_param_scheduler or args.use_checkpoint_opt_param_scheduler:
-        return
-    now = schedule_from_flags(args)
-    keys = [k for k in now if k in sched and sched[k] != now[k]]
-    if not keys:
-        return
-    flags = []
-    for k in keys:
-        for f in SCHEDULE_FLAGS[k]:
-            if f in saved and saved[f] != getattr(args, f) and f not in flags:
-                flags.append(f)
-    what = "; ".join(f"{_flag(f)} {saved[f]} (checkpoint) vs {getattr(args, f)} (now)" for f in flags) or "; ".join(
-        f"{k} {sched[k]} (checkpoint) vs {now[k]} (now)" for k in keys
-    )
-    raise CheckpointError(
-        f"--load {load}: the learning-rate schedule differs from the checkpoint's: {what}. Add "
-        "--override-opt_param-scheduler to go on with this command line's schedule, or "
-        "--use-checkpoint-opt_param-scheduler to keep the checkpoint's (Megatron-LM's flags)"
-    )
-
-
-def load_checkpoint(ckpt, extra, model, optimizer, scheduler):
-    """Load an inspected checkpoint into the model, optimizer and scheduler: (iteration, consumed samples)."""
-    from megatron.core import dist_checkpointing
-
-    model_sd = model.module.sharded_state_dict()
-    opt_sd = optimizer.sharded_state_dict(model_sd, is_loading=True)  # creates the Adam moments to fill
-    state = dist_checkpointing.load({"model": model_sd, "optimizer": opt_sd}, ckpt)
-    model.module.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(extra["scheduler"])
-    return extra["iteration"], extra["consumed_samples"]
-
-
-def trim_metrics(csv_path: str, iteration: int) -> int:
-    """Drop the rows after ``iteration`` (they are about to be trained again): one row per
-    iteration across resumes.  Atomic; returns the number of rows dropped."""
-    import csv
-
-    if not os.path.exists(csv_path):
-        return 0
-    with open(csv_path, newline="") as f:
-        rows = list(csv.reader(f))
-    if not rows:
-        return 0
-    keep = [rows[0]] + [r for r in rows[1:] if r and r[0].isdigit() and int(r[0]) <= iteration]
-    dropped = len(rows) - len(keep)
-    if dropped:
-        tmp = csv_path + ".tmp"
-        with open(tmp, "w", newline="") as f:
-            csv.writer(f).writerows(keep)
-        os.replace(tmp, csv_path)
-    return dropped

@@ -37,13 +37,8 @@ from ulysses_mcore.megatron.trainer.arguments import (
     validate,
 )
 from ulysses_mcore.megatron.trainer.errors import is_collective_failure
-from ulysses_mcore.megatron.trainer.checkpoint import (
-    inspect_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-    schedule_from_flags,
-    trim_metrics,
-)
+from ulysses_mcore.megatron.trainer.checkpoint import save_checkpoint, schedule_from_flags
+from ulysses_mcore.megatron.trainer.resume import inspect_checkpoint, load_checkpoint, trim_metrics
 
 
 # ------------------------------------------------------------------------ main

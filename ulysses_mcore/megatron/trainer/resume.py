@@ -1,0 +1,236 @@
+"""Resuming from a checkpoint: every check before any tensor is read, then the load.
+
+Every rank checks the same things -- the ``latest`` file, the manifest (missing, truncated or
+corrupted files: the ranks split the reading and gather what they found), ``train_state.pt``, the
+model flags, and the learning-rate schedule against the command line (Megatron-LM's
+``--override-opt_param-scheduler`` / ``--use-checkpoint-opt_param-scheduler``) -- so every rank
+raises the same :class:`~ulysses_mcore.megatron.trainer.checkpoint.CheckpointError`, naming the
+path and the cause, or none does.  The files are :mod:`~ulysses_mcore.megatron.trainer.checkpoint`'s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import List
+
+import torch
+import torch.distributed as dist
+
+from ulysses_mcore.megatron.trainer.checkpoint import (
+    MANIFEST,
+    MODEL_FLAGS,
+    SCHEDULE_FLAGS,
+    TRAIN_STATE,
+    CheckpointError,
+    crc32,
+    first_line,
+    flag_of,
+    gather,
+    iter_dir,
+    latest_file,
+    schedule_from_flags,
+)
+
+
+def _read_latest(load: str) -> int:
+    lf = latest_file(load)
+    if not os.path.exists(lf):
+        raise CheckpointError(
+            f"--load {load}: no {os.path.basename(lf)}; is it a checkpoint directory? "
+            "(Megatron-LM's layout: iter_NNNNNNN/ folders and that file)"
+        )
+    with open(lf, "rb") as f:
+        raw = f.read(200)
+    text = raw.decode("utf-8", "replace").strip()
+    if not text.isdigit():
+        shown = repr(text[:40]) if text else "nothing"
+        raise CheckpointError(
+            f"--load {load}: {lf} holds {shown}, not an iteration number; write the iteration "
+            f"of a complete iter_NNNNNNN folder into it (for iter_0000002: 2)"
+        )
+    return int(text)
+
+
+def _check_files(ckpt: str) -> List[str]:
+    """This rank's share of the damage in ``ckpt`` (all of it where there is no manifest)."""
+    mpath = os.path.join(ckpt, MANIFEST)
+    if not os.path.exists(mpath):
+        return _check_without_manifest(ckpt) if dist.get_rank() == 0 else []
+    try:
+        with open(mpath) as f:
+            files = json.load(f)["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return [f"{mpath}: unreadable ({first_line(e)})"] if dist.get_rank() == 0 else []
+    names = sorted(files)
+    problems, present = [], []
+    for i, name in enumerate(names):
+        if i % dist.get_world_size() != dist.get_rank():
+            continue
+        p, want = os.path.join(ckpt, name), files[name]
+        if not os.path.exists(p):
+            problems.append(f"{p}: missing")
+        elif os.path.getsize(p) != want["size"]:
+            size = os.path.getsize(p)
+            problems.append(
+                f"{p}: "
+                + (
+                    "empty (0 bytes)"
+                    if size == 0
+                    else f"truncated ({size} of {want['size']} bytes)"
+                    if size < want["size"]
+                    else f"{size} bytes, saved as {want['size']}"
+                )
+            )
+        else:
+            present.append(name)
+    for name in present:
+        crc = crc32(os.path.join(ckpt, name))
+        if crc != files[name]["crc32"]:
+            problems.append(
+                f"{os.path.join(ckpt, name)}: corrupted (CRC-32 {crc:08x}, saved as {files[name]['crc32']:08x})"
+            )
+    return problems
+
+
+def _check_without_manifest(ckpt: str) -> List[str]:
+    """A checkpoint written without a manifest: the torch_dist metadata and the sizes it implies."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = os.path.join(ckpt, ".metadata")
+    if not os.path.exists(meta):
+        return [f"{meta}: missing (not a complete torch_dist checkpoint)"]
+    try:
+        md = FileSystemReader(ckpt).read_metadata()
+    except Exception as e:  # noqa: BLE001 - any failure to parse is damage
+        return [f"{meta}: unreadable ({first_line(e)})"]
+    need = {}
+    for info in (md.storage_data or {}).values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    problems = []
+    for name, size in sorted(need.items()):
+        p = os.path.join(ckpt, name)
+        if not os.path.exists(p):
+            problems.append(f"{p}: missing")
+        elif os.path.getsize(p) < size:
+            problems.append(f"{p}: truncated ({os.path.getsize(p)} of at least {size} bytes)")
+    return problems
+
+
+def inspect_checkpoint(args):
+    """Every check before any tensor is read: (checkpoint folder, train state).  Collective
+    (the ranks share the file checks); raises the same :class:`CheckpointError` on every rank."""
+    load = args.load
+    ckpt, note = _locate(load)
+    problems = sorted(p for share in gather(_check_files(ckpt)) for p in share)
+    if problems:
+        more = f" and {len(problems) - 4} more" if len(problems) > 4 else ""
+        raise CheckpointError(
+            f"--load {load}: checkpoint {ckpt} is damaged: "
+            + "; ".join(problems[:4])
+            + more
+            + f". Resume from another checkpoint (its iteration in {latest_file(load)}) or "
+            "save this one again"
+        )
+    extra = _read_train_state(load, ckpt)
+    saved = extra.get("args", {})
+    diff = [
+        f"{flag_of(k)} {saved.get(k)} (checkpoint) vs {getattr(args, k)} (now)"
+        for k in MODEL_FLAGS
+        if k in saved and saved.get(k) != getattr(args, k)
+    ]
+    if diff:
+        raise CheckpointError(
+            f"--load {load}: the checkpoint is from an incompatible model: "
+            + "; ".join(diff)
+            + ". Use the checkpoint's model flags (parallel degrees may change freely)"
+        )
+    _check_schedule(load, extra["scheduler"], saved, args)
+    return ckpt, extra, note
+
+
+def _locate(load):
+    """(the folder of the latest iteration, a note when it is the copy an interrupted re-save replaced)."""
+    iteration = _read_latest(load)
+    ckpt = iter_dir(load, iteration)
+    if not os.path.isdir(ckpt) and os.path.isdir(ckpt + ".old"):
+        return ckpt + ".old", " (a re-save of that iteration was interrupted: using the copy it replaced)"
+    if not os.path.isdir(ckpt):
+        raise CheckpointError(
+            f"--load {load}: {latest_file(load)} names iteration {iteration} but {ckpt} is missing; "
+            "write the iteration of a complete iter_NNNNNNN folder into it"
+        )
+    return ckpt, ""
+
+
+def _read_train_state(load, ckpt) -> dict:
+    ts = os.path.join(ckpt, TRAIN_STATE)
+    if not os.path.exists(ts):
+        raise CheckpointError(f"--load {load}: {ts} is missing: {ckpt} is incomplete")
+    if os.path.getsize(ts) == 0:
+        raise CheckpointError(f"--load {load}: {ts} is empty (0 bytes): {ckpt} is damaged")
+    try:
+        extra = torch.load(ts, weights_only=False, map_location="cpu")
+        if not isinstance(extra, dict) or "iteration" not in extra or "scheduler" not in extra:
+            raise ValueError("not a train state (no iteration / scheduler)")
+    except Exception as e:  # noqa: BLE001 - whatever unpickling says, the file is bad
+        raise CheckpointError(
+            f"--load {load}: {ts} is not a readable train state ({first_line(e)}): {ckpt} is damaged"
+        ) from None
+    return extra
+
+
+def _check_schedule(load, sched, saved, args):
+    if args.override_opt_param_scheduler or args.use_checkpoint_opt_param_scheduler:
+        return
+    now = schedule_from_flags(args)
+    keys = [k for k in now if k in sched and sched[k] != now[k]]
+    if not keys:
+        return
+    flags = []
+    for k in keys:
+        for f in SCHEDULE_FLAGS[k]:
+            if f in saved and saved[f] != getattr(args, f) and f not in flags:
+                flags.append(f)
+    what = "; ".join(f"{flag_of(f)} {saved[f]} (checkpoint) vs {getattr(args, f)} (now)" for f in flags) or "; ".join(
+        f"{k} {sched[k]} (checkpoint) vs {now[k]} (now)" for k in keys
+    )
+    raise CheckpointError(
+        f"--load {load}: the learning-rate schedule differs from the checkpoint's: {what}. Add "
+        "--override-opt_param-scheduler to go on with this command line's schedule, or "
+        "--use-checkpoint-opt_param-scheduler to keep the checkpoint's (Megatron-LM's flags)"
+    )
+
+
+def load_checkpoint(ckpt, extra, model, optimizer, scheduler):
+    """Load an inspected checkpoint into the model, optimizer and scheduler: (iteration, consumed samples)."""
+    from megatron.core import dist_checkpointing
+
+    model_sd = model.module.sharded_state_dict()
+    opt_sd = optimizer.sharded_state_dict(model_sd, is_loading=True)  # creates the Adam moments to fill
+    state = dist_checkpointing.load({"model": model_sd, "optimizer": opt_sd}, ckpt)
+    model.module.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(extra["scheduler"])
+    return extra["iteration"], extra["consumed_samples"]
+
+
+def trim_metrics(csv_path: str, iteration: int) -> int:
+    """Drop the rows after ``iteration`` (they are about to be trained again): one row per
+    iteration across resumes.  Atomic; returns the number of rows dropped."""
+    import csv
+
+    if not os.path.exists(csv_path):
+        return 0
+    with open(csv_path, newline="") as f:
+        rows = list(csv.reader(f))
+    if not rows:
+        return 0
+    keep = [rows[0]] + [r for r in rows[1:] if r and r[0].isdigit() and int(r[0]) <= iteration]
+    dropped = len(rows) - len(keep)
+    if dropped:
+        tmp = csv_path + ".tmp"
+        with open(tmp, "w", newline="") as f:
+            csv.writer(f).writerows(keep)
+        os.replace(tmp, csv_path)
+    return dropped
