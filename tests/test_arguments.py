@@ -4,7 +4,8 @@ The full catalogue of bad command lines, run through the trainer, is tests/test_
 
 import pytest
 
-from ulysses_mcore.megatron.trainer.arguments import build_parser, padded_vocab, parse_split, validate
+from ulysses_mcore.megatron.trainer.arguments import padded_vocab, parse_split, validate
+from ulysses_mcore.megatron.trainer.parser import build_parser
 
 TINY = [
     "--num-layers",

@@ -28,8 +28,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from ulysses_mcore.megatron.trainer.parser import build_parser
 from ulysses_mcore.megatron.trainer.arguments import (
-    build_parser,
     check_output_dirs,
     corpus_dir,
     metrics_dir,
