@@ -3,7 +3,7 @@
 ``ulysses-mcore dryrun`` takes the ``pretrain`` flags plus ``--world-size N`` and, for each distinct
 kind of rank (each pipeline stage; Megatron's tensor-parallel shards are even, so one
 tensor-parallel rank stands for all), starts a fake world of N ranks as that rank
-(:mod:`ulysses_mcore.fakeworld`), builds the trainer's own GPTModel (``pretrain.build_model``:
+(:mod:`ulysses_mcore.fakeworld`), builds the trainer's own GPTModel (``model.build_model``:
 the same spec, config and chunked loss) on fake CUDA through Megatron's real parallel state, and
 runs one forward micro-batch through Megatron's own code into this project's attention.  Then the
 backward kernels of the attention route, on the forward's own call signature.  What it reports per
@@ -237,7 +237,7 @@ def run_rank(args, topo, label: str, rank: int, preset: str = "h100") -> RankRep
     """One rank kind: a fresh fake world as ``rank``, the model, one forward, the attention's backward."""
     from ulysses_mcore.megatron.compat.fake_cuda import stand_ins
     from ulysses_mcore.megatron.layer.groups import destroy, initialize
-    from ulysses_mcore.megatron.trainer.pretrain import build_model
+    from ulysses_mcore.megatron.trainer.model import build_model
 
     t0 = time.perf_counter()
     with fw.fake_world(topo.world_size, rank=rank), stand_ins():

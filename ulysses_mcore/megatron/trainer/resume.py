@@ -213,24 +213,3 @@ def load_checkpoint(ckpt, extra, model, optimizer, scheduler):
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(extra["scheduler"])
     return extra["iteration"], extra["consumed_samples"]
-
-
-def trim_metrics(csv_path: str, iteration: int) -> int:
-    """Drop the rows after ``iteration`` (they are about to be trained again): one row per
-    iteration across resumes.  Atomic; returns the number of rows dropped."""
-    import csv
-
-    if not os.path.exists(csv_path):
-        return 0
-    with open(csv_path, newline="") as f:
-        rows = list(csv.reader(f))
-    if not rows:
-        return 0
-    keep = [rows[0]] + [r for r in rows[1:] if r and r[0].isdigit() and int(r[0]) <= iteration]
-    dropped = len(rows) - len(keep)
-    if dropped:
-        tmp = csv_path + ".tmp"
-        with open(tmp, "w", newline="") as f:
-            csv.writer(f).writerows(keep)
-        os.replace(tmp, csv_path)
-    return dropped

@@ -1,0 +1,28 @@
+"""The trainer's model (ulysses_mcore.megatron.trainer.model): the TransformerConfig its flags give,
+against Megatron-LM's own rules written out here (SwiGLU's width, the activation, recompute)."""
+
+import torch
+
+from ulysses_mcore.megatron.trainer.model import _config_of
+from ulysses_mcore.megatron.trainer.parser import build_parser
+
+BASE = ["--num-layers", "2", "--hidden-size", "768", "--num-attention-heads", "12"]
+
+
+def test_megatron_lm_defaults_for_the_mlp():
+    plain = _config_of(build_parser().parse_args(BASE))
+    assert plain["ffn_hidden_size"] == 4 * 768 and plain["activation_func"] is torch.nn.functional.gelu
+    glu = _config_of(build_parser().parse_args(BASE + ["--swiglu"]))
+    # Megatron-LM: ffn_hidden_size = int((4 * hidden * 2 / 3) / 64) * 64 under --swiglu
+    assert glu["ffn_hidden_size"] == 2048 and glu["gated_linear_unit"]
+    assert glu["activation_func"] is torch.nn.functional.silu
+    given = _config_of(build_parser().parse_args(BASE + ["--swiglu", "--ffn-hidden-size", "1000"]))
+    assert given["ffn_hidden_size"] == 1000
+
+
+def test_full_recompute_is_megatron_uniform_one_layer_and_bf16_sets_the_dtype():
+    c = _config_of(build_parser().parse_args(BASE + ["--recompute-granularity", "full", "--bf16"]))
+    assert (c["recompute_method"], c["recompute_num_layers"]) == ("uniform", 1)
+    assert c["bf16"] and c["params_dtype"] is torch.bfloat16
+    c = _config_of(build_parser().parse_args(BASE))
+    assert c["recompute_method"] is None and c["params_dtype"] is torch.float32

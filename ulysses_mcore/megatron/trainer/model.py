@@ -1,0 +1,99 @@
+"""The trainer's model: Megatron's GPTModel from the Ulysses layer spec, in Megatron's DDP, with its
+optimizer and learning-rate schedule -- the same initial model for every layout (one --seed).  The
+dry run builds the same model (:func:`build_model`)."""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from ulysses_mcore.megatron.layer.memory import enable_chunked_loss
+from ulysses_mcore.megatron.layer.rotary import DynamicOptions
+from ulysses_mcore.megatron.layer.specs import get_ulysses_layer_spec
+from ulysses_mcore.megatron.trainer import training
+from ulysses_mcore.megatron.trainer.arguments import padded_vocab
+from ulysses_mcore.megatron.trainer.checkpoint import schedule_from_flags
+from ulysses_mcore.planning.shape import ModelShape
+
+
+def build_trainable(args):
+    """(DDP GPTModel, Megatron optimizer, Megatron LR scheduler) of the flags; the same initial
+    model for every tp / pp / ulysses / cp / dp layout (one --seed)."""
+    model, cfg = build_model(args)
+    training.init_layout_independent(model, cfg, args.seed)
+    optimizer = training.build_optimizer(
+        model,
+        lr=args.lr,
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        clip_grad=args.clip_grad,
+        bf16=args.bf16,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps,
+    )
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        **schedule_from_flags(args),  # the values a checkpoint's schedule is checked against
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+    )
+    return model, optimizer, scheduler
+
+
+def build_model(args, *, vocab_size=None, wrap_ddp: bool = True, **config):
+    """(GPTModel of the flags, in Megatron's DDP unless ``wrap_ddp=False``; its TransformerConfig):
+    the trainer's model, also the dry run's (``vocab_size``: another vocabulary than the byte
+    tokenizer's; ``config``: TransformerConfig keywords over the flags')."""
+    te = args.transformer_impl == "transformer_engine"
+    backend = args.attention_backend if args.attention_backend != "auto" else ("te" if te else "sdpa")
+    cfg = training.gpt_config(**(_config_of(args) | config))
+    dynamic = None
+    if args.dynamic_ulysses:  # RoPE moves into the attention, after the exchange (docs/dynamic.md)
+        dynamic = DynamicOptions(args.ulysses_degree, rope=args.position_embedding_type == "rope")
+    model = training.build_gpt(
+        cfg,
+        vocab_size=vocab_size or padded_vocab(args),  # padded independently of tp: checkpoints reshard
+        max_sequence_length=args.max_position_embeddings or args.seq_length,
+        position_embedding_type="none" if dynamic and dynamic.rope else args.position_embedding_type,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        layer_spec=get_ulysses_layer_spec(
+            "te" if (te or backend == "te") else "local",
+            backend=backend,
+            normalization=args.normalization,
+            mlp_chunk_tokens=args.mlp_chunk_tokens,
+            dynamic=dynamic,
+        ),
+        wrap_ddp=wrap_ddp,
+    )
+    if args.loss_chunk_tokens:
+        enable_chunked_loss(model.module if wrap_ddp else model, args.loss_chunk_tokens)
+    return model, cfg
+
+
+def _config_of(args) -> dict:
+    """Megatron TransformerConfig keywords of the flags."""
+    full = args.recompute_granularity == "full"
+    ffn = ModelShape.from_args(args, vocab_size=padded_vocab(args)).ffn_hidden_size  # Megatron-LM's default
+    return dict(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=ffn,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        normalization=args.normalization,
+        gated_linear_unit=args.swiglu,
+        activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
+        add_bias_linear=not args.disable_bias_linear,
+        init_method_std=args.init_method_std,
+        attention_dropout=args.attention_dropout,
+        hidden_dropout=args.hidden_dropout,
+        bf16=args.bf16,
+        params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        sequence_parallel=args.sequence_parallel,
+        recompute_granularity=args.recompute_granularity,
+        recompute_method="uniform" if full else None,
+        recompute_num_layers=1 if full else None,
+    )
