@@ -55,7 +55,7 @@ HOST_SIDE = {
     ("ulysses_mcore/megatron/layer/module.py", "_sinks"): "build time: moved with the model by build_gpt",
     ("ulysses_mcore/megatron/layer/module.py", "_initial_sinks"): "build time: moved with the model by build_gpt",
     ("ulysses_mcore/megatron/trainer/training.py", "init_layout_independent"): "build time: host draw, copied",
-    ("ulysses_mcore/megatron/trainer/training.py", "_nonfinite_report"): "once per step: a host flag, moved",
+    ("ulysses_mcore/megatron/trainer/errors.py", "nonfinite_report"): "once per step: a host flag, moved",
     ("ulysses_mcore/megatron/trainer/training.py", "_loss_on_all_ranks"): "once per step: host loss values",
     ("ulysses_mcore/megatron/trainer/loop.py", "_exit_reason"): "once per iteration: a host flag, moved",
 }

@@ -8,13 +8,14 @@ the value and the fix.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 
 import torch
 
 from ulysses_mcore.megatron.trainer.parser import build_parser
-
+from ulysses_mcore.topology import Topology
 
 _INT_MIN = {
     "num_layers": 1,
@@ -281,8 +282,6 @@ _CONSISTENCY = (
 
 def calibration_problem(path: str):
     """What is wrong with a calibration file for the dynamic placement, or None."""
-    import json
-
     try:
         with open(path) as f:
             rates = json.load(f)["rates"]
@@ -309,8 +308,6 @@ def layout_problem(flags, world_size: int) -> str:
 def validate(args, world_size: int):
     """Every check that needs no collective; raises ValueError naming the flag and the fix.
     Ranges first (a 0 must not reach a modulo), then the layout, then the flags against each other."""
-    from ulysses_mcore.topology import Topology
-
     if args.group_query_attention and args.num_query_groups is None:
         args.num_query_groups = 1  # Megatron-LM's default for --num-query-groups
     check_ranges(args)
@@ -331,7 +328,7 @@ def validate(args, world_size: int):
 def padded_vocab(args) -> int:
     """The vocabulary padded to a multiple of --make-vocab-size-divisible-by (not x tp, unlike
     Megatron-LM, so that checkpoints reshard across tp)."""
-    from ulysses_mcore.megatron.trainer.data import ByteTokenizer
+    from ulysses_mcore.megatron.trainer.data import ByteTokenizer  # data imports Megatron (1.7 s): not for a flag check
 
     m = args.make_vocab_size_divisible_by
     return int(math.ceil(ByteTokenizer().vocab_size / m) * m)

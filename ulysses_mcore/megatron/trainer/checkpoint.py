@@ -17,15 +17,19 @@ from __future__ import annotations
 
 import errno
 import json
+import multiprocessing as mp
 import os
 import shutil
 import time
 import zlib
+from multiprocessing.managers import SyncManager
 from typing import List, Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core import dist_checkpointing
 
+from ulysses_mcore.lifetime import children_die_with_this_process, die_with_parent
 from ulysses_mcore.megatron.trainer.errors import is_collective_failure
 
 MANIFEST = "ulysses_manifest.json"
@@ -213,11 +217,6 @@ def writer_helpers_die_with_this_rank() -> None:
     rank that is killed.  Start that Manager here, with the parent-death signal armed in it, and
     hand its queue to Megatron (its module-level slot for it), before the first save.  Its forked
     writers get the signal from :func:`ulysses_mcore.lifetime.children_die_with_this_process`."""
-    import multiprocessing as mp
-    from multiprocessing.managers import SyncManager
-
-    from ulysses_mcore.lifetime import children_die_with_this_process, die_with_parent
-
     children_die_with_this_process()
     try:
         from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
@@ -234,8 +233,6 @@ def writer_helpers_die_with_this_rank() -> None:
 def _write_state(tmp, iteration, model, optimizer, scheduler, consumed_samples, args):
     """The sharded model and optimizer (every rank) and the train state (rank 0) into ``tmp``:
     this rank's error, or None (a failed collective is raised: it is not a save failure)."""
-    from megatron.core import dist_checkpointing
-
     writer_helpers_die_with_this_rank()
     try:
         model_sd = model.module.sharded_state_dict()

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import contextlib
-
 import json
 import os
 import sys
@@ -21,6 +20,13 @@ from typing import Iterable, Iterator, List, Optional
 
 import numpy as np
 import torch
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.blended_megatron_dataset_config import (
+    convert_split_vector_to_split_matrix,
+    parse_and_normalize_split,
+)
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # ulysses_mcore/
 EMBEDDED_CORPUS = os.path.join(_PACKAGE, "corpus", "kjv_genesis_exodus.jsonl")
@@ -68,8 +74,6 @@ def write_indexed_dataset(
     docs: Iterable[str], output_prefix: str, tokenizer=None, *, progress: bool = True, total: Optional[int] = None
 ) -> dict:
     """Tokenize ``docs`` (EOD appended) into ``output_prefix.bin/.idx``; returns counts."""
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-
     tok = tokenizer or ByteTokenizer()
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
     builder = IndexedDatasetBuilder(output_prefix + ".bin", dtype=np.uint16)
@@ -96,8 +100,6 @@ def write_indexed_dataset(
 
 def check_indexed_dataset(prefix: str) -> int:
     """Raise a clear error for a missing, corrupt or truncated ``.bin/.idx`` pair; return tokens."""
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
     fix = f"re-create it with ulysses-mcore preprocess --input FILE --output-prefix {prefix}"
     for ext in (".bin", ".idx"):
         if not os.path.exists(prefix + ext):
@@ -129,11 +131,6 @@ def split_documents(n_docs: int, split: str):
     """Documents in each split of ``n_docs`` under ``--split`` as Megatron's dataset builder cuts them
     (its own normalisation and split matrix; each bound rounded to a whole document); ``None`` for a
     split of weight 0 (not built)."""
-    from megatron.core.datasets.blended_megatron_dataset_config import (
-        convert_split_vector_to_split_matrix,
-        parse_and_normalize_split,
-    )
-
     matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
     return [None if b is None else int(round(b[1] * n_docs)) - int(round(b[0] * n_docs)) for b in matrix]
 
@@ -141,8 +138,6 @@ def split_documents(n_docs: int, split: str):
 def split_problem(prefix: str, split: str) -> str:
     """Why ``--split`` cannot cut this dataset ("" if it can): a split of non-zero weight that gets no
     document -- Megatron's builder builds it anyway and loops forever looking for its first epoch."""
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
     n_docs = len(IndexedDataset(prefix, mmap=True).document_indices) - 1  # mapped: read where needed
     counts = split_documents(n_docs, split)
     empty = [name for name, docs in zip(SPLITS, counts) if docs == 0]
@@ -176,9 +171,6 @@ def build_gpt_datasets(
     prefix: str, *, seq_length: int, seed: int, split: str, samples, tokenizer=None, cache_dir: Optional[str] = None
 ):
     """(train, valid, test) GPTDatasets over one indexed dataset, via BlendedMegatronDatasetBuilder."""
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
-
     check_indexed_dataset(prefix)
     problem = split_problem(prefix, split)
     if problem:

@@ -28,8 +28,22 @@ from dataclasses import dataclass, field
 from typing import Dict, List
 
 import torch
+from megatron.core import parallel_state as ps
+from megatron.core.packed_seq_params import PackedSeqParams
+from torch.distributed._tools.mem_tracker import MemTracker
 
 from ulysses_mcore import fakeworld as fw
+from ulysses_mcore.megatron.compat.fake_cuda import stand_ins
+from ulysses_mcore.megatron.layer.batch import make_lm_batch, shard_batch
+from ulysses_mcore.megatron.layer.groups import destroy, initialize
+from ulysses_mcore.megatron.layer.module import UlyssesAttention
+from ulysses_mcore.megatron.trainer.arguments import validate
+from ulysses_mcore.megatron.trainer.dynamic import DynamicGroups
+from ulysses_mcore.megatron.trainer.model import build_model
+from ulysses_mcore.megatron.trainer.training import model_forward, to_device
+from ulysses_mcore.planning import step_time
+from ulysses_mcore.planning.memory_model import estimate
+from ulysses_mcore.planning.placement import Cell
 from ulysses_mcore.planning.shape import ModelShape
 
 
@@ -66,11 +80,6 @@ def rank_kinds(topo) -> List[tuple]:
 def _batch(args, topo, dynamic_groups):
     """This rank's micro-batch on fake CUDA: the trainer's sharding of a full sequence, or under
     --dynamic-ulysses the largest degree's cell (two documents of 3/4 and 1/4 of it)."""
-    from megatron.core import parallel_state as ps
-
-    from ulysses_mcore.megatron.layer.batch import make_lm_batch, shard_batch
-    from ulysses_mcore.megatron.trainer.training import to_device
-
     mbs, seq = args.micro_batch_size, args.seq_length
     text = torch.randint(0, 256, (mbs, seq + 1))
     if dynamic_groups is None:
@@ -84,13 +93,6 @@ def _dynamic_cell(args, topo, groups, text):
     (``micro-batch x sequence / U``),
     two documents (3/4 and 1/4 of it), as the trainer hands it to the model (Megatron's
     ``PackedSeqParams`` with the cell's group)."""
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    from ulysses_mcore.planning.placement import Cell
-
-    from ulysses_mcore.megatron.layer.batch import make_lm_batch
-    from ulysses_mcore.megatron.trainer.training import to_device
-
     U, per_rank = topo.ulysses, args.micro_batch_size * args.seq_length // topo.ulysses  # the fixed degree's load
     total = U * per_rank
     docs = [total * 3 // 4, total - total * 3 // 4]
@@ -110,8 +112,6 @@ def _dynamic_cell(args, topo, groups, text):
 
 def _planning_records(args, topo):
     """(step_time.Run, the layout) of the flags: one micro-batch per step."""
-    from ulysses_mcore.planning import step_time
-
     run = step_time.Run(
         model=ModelShape.from_args(args),
         seq_length=args.seq_length,
@@ -126,8 +126,6 @@ def _planning_records(args, topo):
 
 def model_forward_tflop(args, topo) -> Dict[str, float]:
     """The step-time model's forward FLOPs of one micro-batch per rank, by phase, TFLOP."""
-    from ulysses_mcore.planning import step_time
-
     run, lay = _planning_records(args, topo)
     f = step_time.features(run, lay)
     passes = 4 if args.recompute_granularity == "full" else 3
@@ -137,7 +135,6 @@ def model_forward_tflop(args, topo) -> Dict[str, float]:
 
 
 def predicted_step_s(args, topo, preset: str) -> float:
-    from ulysses_mcore.planning import step_time
 
     run, lay = _planning_records(args, topo)
     p = step_time.PRESETS[preset]
@@ -146,8 +143,6 @@ def predicted_step_s(args, topo, preset: str) -> float:
 
 def plan_estimate(args, topo) -> dict:
     """``ulysses-mcore plan``'s estimate of this layout, GB."""
-    from ulysses_mcore.planning.memory_model import estimate
-
     est = estimate(
         **ModelShape.from_args(args).keywords(),
         seq_length=args.seq_length,
@@ -179,11 +174,8 @@ def _states_gb(args, topo, params: int):
 def _forward(model, batch, docs):
     """One forward micro-batch to the loss under the kernel log, the FLOP counter and the memory
     tracker: (loss, log, flops counter, tracker)."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
     tracker = MemTracker()
     tracker.track_external(model)
-    from ulysses_mcore.megatron.trainer.training import model_forward
 
     with fw.SdpaAsOnGpu(), fw.KernelLog() as log, fw.flop_counter(docs) as flops, tracker:
         loss = model_forward(model, batch)
@@ -194,7 +186,6 @@ class _FirstAttention:
     """Keeps the first core-attention call's inputs (a forward pre-hook), to run its backward alone."""
 
     def __init__(self, model):
-        from ulysses_mcore.megatron.layer.module import UlyssesAttention
 
         self.call = None
         mods = [m for m in model.modules() if isinstance(m, UlyssesAttention)]
@@ -218,8 +209,6 @@ class _FirstAttention:
 
 def _stage_input(model, args, batch) -> None:
     """A later pipeline stage's input: the previous stage's hidden states ``[s, b, h]`` (fake)."""
-    from megatron.core import parallel_state as ps
-
     if ps.is_pipeline_first_stage():
         return
     s, b = batch["tokens"].shape[1], batch["tokens"].shape[0]
@@ -235,10 +224,6 @@ def _activation_gb(tracker) -> float:
 
 def run_rank(args, topo, label: str, rank: int, preset: str = "h100") -> RankReport:
     """One rank kind: a fresh fake world as ``rank``, the model, one forward, the attention's backward."""
-    from ulysses_mcore.megatron.compat.fake_cuda import stand_ins
-    from ulysses_mcore.megatron.layer.groups import destroy, initialize
-    from ulysses_mcore.megatron.trainer.model import build_model
-
     t0 = time.perf_counter()
     with fw.fake_world(topo.world_size, rank=rank), stand_ins():
         dynamic = args.dynamic_ulysses
@@ -255,8 +240,6 @@ def run_rank(args, topo, label: str, rank: int, preset: str = "h100") -> RankRep
         )
         groups = None
         if dynamic:
-            from ulysses_mcore.megatron.trainer.dynamic import DynamicGroups
-
             groups = DynamicGroups(topo.world_size, topo.tp, topo.ulysses)
         try:
             model, _ = build_model(args, vocab_size=args.vocab_size, wrap_ddp=False, use_cpu_initialization=False)
@@ -295,8 +278,6 @@ def run_rank(args, topo, label: str, rank: int, preset: str = "h100") -> RankRep
 
 def run(args, world_size: int, preset: str = "h100") -> List[RankReport]:
     """Every rank kind of the layout the flags give at ``world_size`` ranks."""
-    from ulysses_mcore.megatron.trainer.arguments import validate
-
     topo = validate(args, world_size)
     return [run_rank(args, topo, label, rank, preset) for label, rank in rank_kinds(topo)]
 

@@ -32,8 +32,8 @@ from ulysses_mcore.megatron.layer.batch import pack_batch
 from ulysses_mcore.megatron.trainer.arguments import padded_vocab
 from ulysses_mcore.planning.placement import Cell, Costs, Schedule, place, powers_of_two
 from ulysses_mcore.planning.shape import ModelShape
-from ulysses_mcore.topology import Topology
 from ulysses_mcore.planning.step_time import PRESETS, gpu_rates
+from ulysses_mcore.topology import Topology
 
 
 class DynamicGroups:

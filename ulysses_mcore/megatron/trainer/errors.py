@@ -1,9 +1,13 @@
 """What kind of failure an exception is: a collective that failed (a peer died, a connection broke,
 a wait timed out) or an error of this rank's own.  Used by the trainer (to name the failure) and
-by checkpoint saving (a collective failure is not a save failure to agree on: it is re-raised)."""
+by checkpoint saving (a collective failure is not a save failure to agree on: it is re-raised);
+and NaN / Inf in a step, found with one reduced check and named alike on every rank."""
 
 from __future__ import annotations
 
+import math
+
+import torch
 import torch.distributed as dist
 
 # what torch.distributed's backends say when a peer dies, a connection breaks or a wait times out
@@ -28,3 +32,50 @@ def is_collective_failure(e: BaseException) -> bool:
         return True
     text = str(e).lower()
     return isinstance(e, RuntimeError) and any(sign in text for sign in COLLECTIVE_SIGNS)
+
+
+class NonFiniteError(FloatingPointError):
+    """NaN or Inf in the loss or the gradients (raised on every rank alike)."""
+
+
+def gradient_buffers(model):
+    """The gradient storage: DDP's flat buffers when there are any, else each main_grad."""
+    # DDP keeps its buffers in lists named buffers / expert_parallel_buffers (on a bare module,
+    # "buffers" is nn.Module's method: not a list, so it is skipped)
+    lists = [getattr(model, n, None) for n in ("buffers", "expert_parallel_buffers")]
+    bufs = [
+        b.grad_data for lst in lists if isinstance(lst, list) for b in lst if getattr(b, "grad_data", None) is not None
+    ]
+    return bufs or [p.main_grad for p in model.module.parameters() if getattr(p, "main_grad", None) is not None]
+
+
+def nonfinite_report(model, loss: float, iteration):
+    """(bad?, message): one reduced check per step -- finiteness of the gradient buffers on the
+    device, one all-reduce, one read on the host; every rank agrees and names the first bad rank."""
+    grads = gradient_buffers(model)
+    dev = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    finite = torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else torch.tensor(True)
+    bad = (~finite.to(dev)) | (not math.isfinite(loss))
+    rank = dist.get_rank()
+    # encode (bad, -rank) so MAX picks the lowest bad rank
+    flag = torch.stack([bad.double(), torch.where(bad, -float(rank), -1e9).double()]).to(dev)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    any_bad, neg_first = flag.tolist()
+    if any_bad == 0:
+        return False, ""
+    where = ""
+    if bool(bad):  # a bad step: find what, on this rank (host work only now)
+        what = (
+            "loss"
+            if not math.isfinite(loss)
+            else next(
+                (
+                    f"gradient of {n}"
+                    for n, p in model.module.named_parameters()
+                    if getattr(p, "main_grad", None) is not None and not torch.isfinite(p.main_grad).all()
+                ),
+                "gradients",
+            )
+        )
+        where = f"; on this rank: {what}"
+    return True, f"iteration {iteration}: NaN/Inf in the loss or gradients, first on rank {int(-neg_first)}{where}"

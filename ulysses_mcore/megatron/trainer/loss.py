@@ -19,6 +19,7 @@ from typing import Tuple
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
 
 def check_config(config) -> None:
@@ -49,8 +50,6 @@ def global_mean(reports, group=None) -> Tuple[float, int]:
         return float("nan"), 0
     total = torch.stack([r["lm loss"] if isinstance(r, dict) else r for r in reports]).sum(0).double()
     if group is None:
-        from megatron.core import parallel_state as ps
-
         group = ps.get_data_parallel_group(with_context_parallel=True)
     if dist.is_initialized():
         dist.all_reduce(total, group=group)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 
-
 from ulysses_mcore.flags import explain
 
 

@@ -16,6 +16,8 @@ from typing import List
 
 import torch
 import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from torch.distributed.checkpoint import FileSystemReader
 
 from ulysses_mcore.megatron.trainer.checkpoint import (
     MANIFEST,
@@ -95,8 +97,6 @@ def _check_files(ckpt: str) -> List[str]:
 
 def _check_without_manifest(ckpt: str) -> List[str]:
     """A checkpoint written without a manifest: the torch_dist metadata and the sizes it implies."""
-    from torch.distributed.checkpoint import FileSystemReader
-
     meta = os.path.join(ckpt, ".metadata")
     if not os.path.exists(meta):
         return [f"{meta}: missing (not a complete torch_dist checkpoint)"]
@@ -204,8 +204,6 @@ def _check_schedule(load, sched, saved, args):
 
 def load_checkpoint(ckpt, extra, model, optimizer, scheduler):
     """Load an inspected checkpoint into the model, optimizer and scheduler: (iteration, consumed samples)."""
-    from megatron.core import dist_checkpointing
-
     model_sd = model.module.sharded_state_dict()
     opt_sd = optimizer.sharded_state_dict(model_sd, is_loading=True)  # creates the Adam moments to fill
     state = dist_checkpointing.load({"model": model_sd, "optimizer": opt_sd}, ckpt)

@@ -23,11 +23,15 @@ compare throughput without it.
 
 from __future__ import annotations
 
+import resource
 import time
 from typing import Dict, List
 
 import torch
 import torch.distributed as dist
+from megatron.core.transformer.mlp import MLP
+
+from ulysses_mcore.megatron.layer.module import UlyssesAttention
 
 PHASES = ("a2a", "ring", "attention", "mlp", "optimizer")
 
@@ -42,7 +46,6 @@ def peak_gb() -> float:
     """The peak memory so far, GB: CUDA's allocated peak when CUDA is in use, else the process's resident peak."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return torch.cuda.max_memory_allocated() / 1e9
-    import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
 
@@ -66,9 +69,6 @@ class StepTimer:
     def install(self, model, optimizer) -> StepTimer:
         self._saved = dist.all_to_all_single
         dist.all_to_all_single = self._collective
-        from megatron.core.transformer.mlp import MLP
-
-        from ulysses_mcore.megatron.layer.module import UlyssesAttention
 
         for module in model.modules():
             if isinstance(module, UlyssesAttention):

@@ -9,19 +9,31 @@ with micro-batches) followed by ``optimizer.step()``.  Loss is token-weighted
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import math
+import re
 from functools import partial
 from typing import Dict, List
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.models.gpt import GPTModel
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.transformer_config import TransformerConfig
 
-from ulysses_mcore.megatron.trainer.loss import check_config, global_mean, masked_token_loss
+from ulysses_mcore.megatron.layer.groups import built_topology
 from ulysses_mcore.megatron.layer.specs import get_ulysses_layer_spec
+from ulysses_mcore.megatron.trainer.errors import NonFiniteError, nonfinite_report
+from ulysses_mcore.megatron.trainer.loss import check_config, global_mean, masked_token_loss
+from ulysses_mcore.validation import is_fake_group
 
 
 def _cp_levels():
     """``[ulysses, ring]`` of the layout :func:`ulysses_mcore.initialize` built, when it has a ring."""
-    from ulysses_mcore.megatron.layer.groups import built_topology
-
     topo = built_topology()
     return [topo.ulysses, topo.cp] if topo is not None and topo.cp > 1 else None
 
@@ -33,9 +45,6 @@ def gpt_config(**kw):
     initialised topology unless given), ``hierarchical_context_parallel_sizes`` its levels
     ``[ulysses, ring]`` when there is a ring (the layers split Megatron's CP group by them);
     token-weighted loss is on."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
     kw.setdefault("tensor_model_parallel_size", ps.get_tensor_model_parallel_world_size())
     kw.setdefault("pipeline_model_parallel_size", ps.get_pipeline_model_parallel_world_size())
     kw.setdefault("context_parallel_size", ps.get_context_parallel_world_size())
@@ -59,10 +68,6 @@ def training_device() -> torch.device:
     available and the process group (if any) runs on NCCL (or is torch's fake group: the dry run's
     fake CUDA), else the CPU.  The model is moved there
     before DDP wraps it (:func:`build_gpt`), every batch in the forward step (:func:`to_device`)."""
-    import torch.distributed as dist
-
-    from ulysses_mcore.validation import is_fake_group
-
     if dist.is_initialized() and is_fake_group(None):  # the dry run: fake CUDA, no GPU
         return torch.device("cuda", 0)
     if torch.cuda.is_available() and (not dist.is_initialized() or dist.get_backend() == "nccl"):
@@ -73,7 +78,6 @@ def training_device() -> torch.device:
 def to_device(batch: Dict, device) -> Dict:
     """A micro-batch on ``device``: its tensors and Megatron's ``PackedSeqParams`` (tensor fields
     moved, host ints such as ``max_seqlen_q`` kept), copied with ``non_blocking``."""
-    import dataclasses
 
     def move(x):
         if isinstance(x, torch.Tensor):
@@ -102,10 +106,6 @@ def build_gpt(
     wrap_ddp: bool = True,
 ):
     """Megatron's GPTModel for this pipeline stage (Ulysses core attention), in Megatron's DDP."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.models.gpt import GPTModel
-
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec if layer_spec is not None else get_ulysses_layer_spec(),
@@ -144,11 +144,6 @@ def init_layout_independent(model, config, seed: int) -> int:
     (biases, norms) are already constants.  Megatron's own init draws from one stream per
     rank, so a pipeline stage's layers (and tp shards) depend on the layout; this does not.
     Call before the optimizer is built (it copies the weights).  Returns the count re-drawn."""
-    import hashlib
-    import math
-
-    from megatron.core import parallel_state as ps
-
     core = model.module if hasattr(model, "module") else model
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     std = config.init_method_std
@@ -193,7 +188,6 @@ def build_optimizer(
     adam_beta2: float = 0.999,
     adam_eps: float = 1e-8,
 ):
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     cfg = OptimizerConfig(
         optimizer="adam",
@@ -237,8 +231,6 @@ def forward_backward(
     forward_only: bool = False,
 ):
     """Megatron's schedule over already-sharded micro-batches; returns the loss reports."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     fb = get_forward_backward_func()
     return fb(
         forward_step_func=_forward_step,
@@ -249,57 +241,6 @@ def forward_backward(
         micro_batch_size=micro_batch_size,
         forward_only=forward_only,
     )
-
-
-class NonFiniteError(FloatingPointError):
-    """NaN or Inf in the loss or the gradients (raised on every rank alike)."""
-
-
-def _grads(model):
-    """The gradient storage: DDP's flat buffers when there are any, else each main_grad."""
-    # DDP keeps its buffers in lists named buffers / expert_parallel_buffers (on a bare module,
-    # "buffers" is nn.Module's method: not a list, so it is skipped)
-    lists = [getattr(model, n, None) for n in ("buffers", "expert_parallel_buffers")]
-    bufs = [
-        b.grad_data for lst in lists if isinstance(lst, list) for b in lst if getattr(b, "grad_data", None) is not None
-    ]
-    return bufs or [p.main_grad for p in model.module.parameters() if getattr(p, "main_grad", None) is not None]
-
-
-def _nonfinite_report(model, loss: float, iteration):
-    """(bad?, message): one reduced check per step -- finiteness of the gradient buffers on the
-    device, one all-reduce, one read on the host; every rank agrees and names the first bad rank."""
-    import math
-
-    import torch.distributed as dist
-
-    grads = _grads(model)
-    dev = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    finite = torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else torch.tensor(True)
-    bad = (~finite.to(dev)) | (not math.isfinite(loss))
-    rank = dist.get_rank()
-    # encode (bad, -rank) so MAX picks the lowest bad rank
-    flag = torch.stack([bad.double(), torch.where(bad, -float(rank), -1e9).double()]).to(dev)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    any_bad, neg_first = flag.tolist()
-    if any_bad == 0:
-        return False, ""
-    where = ""
-    if bool(bad):  # a bad step: find what, on this rank (host work only now)
-        what = (
-            "loss"
-            if not math.isfinite(loss)
-            else next(
-                (
-                    f"gradient of {n}"
-                    for n, p in model.module.named_parameters()
-                    if getattr(p, "main_grad", None) is not None and not torch.isfinite(p.main_grad).all()
-                ),
-                "gradients",
-            )
-        )
-        where = f"; on this rank: {what}"
-    return True, f"iteration {iteration}: NaN/Inf in the loss or gradients, first on rank {int(-neg_first)}{where}"
 
 
 def train_step(
@@ -324,7 +265,7 @@ def train_step(
     optimizer.zero_grad()
     reports = forward_backward(model, microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size)
     loss, count = _loss_on_all_ranks(reports)
-    bad, message = _nonfinite_report(model, loss, iteration)
+    bad, message = nonfinite_report(model, loss, iteration)
     if bad:
         if on_nonfinite == "stop":
             raise NonFiniteError(message + " (stopping: --on-nan stop)")
@@ -352,9 +293,6 @@ def train_step(
 
 def _loss_on_all_ranks(reports):
     """Global mean loss, computed on the last stage and broadcast to every pipeline stage."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
     val = torch.zeros(2, dtype=torch.float64)
     if ps.is_pipeline_last_stage():
         loss, count = global_mean(reports)
@@ -382,8 +320,6 @@ def evaluate(model, microbatches, *, seq_length: int, micro_batch_size: int) -> 
 
 def global_layer_name(model, name: str) -> str:
     """Parameter name with the local layer index replaced by the global one (pipeline stages)."""
-    import re
-
     m = re.match(r"(.*decoder\.layers\.)(\d+)(\..*)", name)
     if not m:
         return name
