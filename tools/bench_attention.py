@@ -24,7 +24,6 @@ Writes ``bench_attention_P{world}.md`` (markdown table), ``.json`` and ``.png`` 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -34,6 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from ulysses_mcore.bench import Report, run_world  # noqa: E402
 
 
 def trivial_kernel(q, k, v, *, causal=True, softmax_scale=None):
@@ -212,9 +212,9 @@ def _worker(rank, world, port, args, queue):
     dist.destroy_process_group()
 
 
-def _table(results, world, note):
+def _table(results, world, note, preface=""):
     lines = [
-        f"Ulysses attention, gloo on CPU, P = {world}, fp32, {results[0]['heads']} heads of "
+        f"{preface}Ulysses attention, gloo on CPU, P = {world}, fp32, {results[0]['heads']} heads of "
         f"{results[0]['head_dim']}, batch 1, causal; forward+backward, median ms. {note}",
         "",
         "| kernel | seq | ulysses_mcore | (no check) | DeepSpeed | all-gather | floor (a2a + kernel) | "
@@ -250,14 +250,16 @@ def _overlap_table(results):
     return lines
 
 
-def _plot(path, results, world):
-    try:
-        import matplotlib
+def render(rec) -> str:
+    """The tables of a record (``world``, ``note``, optional ``preface``, ``rows``)."""
+    rows = rec["rows"]
+    return "\n".join(_table(rows, rec["world"], rec["note"], rec.get("preface", "")) + _overlap_table(rows)) + "\n"
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
+
+def plot(rec, path):
+    import matplotlib.pyplot as plt
+
+    results, world = rec["rows"], rec["world"]
     kernels = sorted({r["kernel"] for r in results})
     fig, axes = plt.subplots(1, len(kernels), figsize=(6 * len(kernels), 4), squeeze=False)
     series = [("ulysses_mcore_ms", "ulysses_mcore"), ("deepspeed_ms", "DeepSpeed"), ("allgather_ms", "all-gather")]
@@ -274,17 +276,7 @@ def _plot(path, results, world):
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-
-
-def write_outputs(results, out_dir, world, note):
-    os.makedirs(out_dir, exist_ok=True)
-    base = os.path.join(out_dir, f"bench_attention_P{world}")
-    with open(base + ".json", "w") as f:
-        json.dump(results, f, indent=1)
-    with open(base + ".md", "w") as f:
-        f.write("\n".join(_table(results, world, note) + _overlap_table(results)) + "\n")
-    _plot(base + ".png", results, world)
-    return base
+    plt.close(fig)
 
 
 def main(argv=None):
@@ -301,18 +293,16 @@ def main(argv=None):
     p.add_argument("--chunks", default="1,2,4", help="overlap chunk counts to measure")
     p.add_argument("--out", default="runs/bench", help="where the JSON / Markdown / PNG go (docs/perf for the docs)")
     a = p.parse_args(argv)
-    from _world import run_world
-
     if a.world > (os.cpu_count() or 1):
         print(
             f"note: {a.world} ranks on {os.cpu_count()} cores: oversubscribed, times include contention",
             file=sys.stderr,
         )
-    results = run_world(a.world, _worker, a)[0]
     note = f"{os.cpu_count()} CPU cores, {a.threads} torch thread(s) per rank, {a.repeats} repeats."
-    base = write_outputs(results, a.out, a.world, note)
-    print(open(base + ".md").read())
-    print(f"wrote {base}.md/.json/.png")
+    report = Report(a.out, f"bench_attention_P{a.world}", render, plot, record={"world": a.world, "note": note})
+    report.section("rows", run_world(a.world, _worker, a)[0])
+    print(report.write())
+    print(f"wrote {report.base}.md/.json/.png")
     return 0
 
 

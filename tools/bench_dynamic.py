@@ -31,7 +31,8 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from tools.bench_dynamic_report import predict_gpus, write_report  # noqa: E402
+from tools.bench_dynamic_report import plot, predict_gpus, render  # noqa: E402
+from ulysses_mcore.bench import Report, progress  # noqa: E402
 
 MODEL = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "8", "--num-query-groups", "4"]
 MIXES = {  # name -> the rule's parameters (ulysses_mcore.planning.mix)
@@ -110,21 +111,16 @@ def main(argv=None):
     a = p.parse_args(argv)
     work = tempfile.mkdtemp(prefix="bench_dynamic_")
     prefix = make_mix(work, a.seq_length, a.documents, MIXES[a.mix])
-    results = []
-    worlds = [int(w) for w in a.worlds.split(",")]
-    total, done = len(worlds) * a.runs * len(MODES), 0
-    for world in worlds:
-        for run in range(a.runs):
-            for mode, flags in MODES.items():
-                done += 1
-                print(f"[{done}/{total}] world {world}, run {run + 1}: {mode} ...", file=sys.stderr, flush=True)
-                log_dir = os.path.join(work, f"w{world}_r{run}_{mode.replace(' ', '')}")
-                os.makedirs(log_dir)
-                results.append(
-                    {"world": world, "run": run, "mode": mode, **train(world, flags(world), a, prefix, log_dir)}
-                )
     setup = dict(vars(a), rule=MIXES[a.mix], model=" ".join(MODEL))
-    write_report(a.out, setup, results, predict_gpus(MIXES[a.mix]), name=f"bench_dynamic_{a.mix}")
+    record = {"setup": setup, "results": [], "gpus": predict_gpus(MIXES[a.mix])}
+    report = Report(a.out, f"bench_dynamic_{a.mix}", render, plot, record=record)
+    cases = [(w, run, mode) for w in (int(x) for x in a.worlds.split(",")) for run in range(a.runs) for mode in MODES]
+    for world, run, mode in progress(cases, desc=f"bench_dynamic {a.mix}"):  # interleaved: a run is every mode
+        log_dir = os.path.join(work, f"w{world}_r{run}_{mode.replace(' ', '')}")
+        os.makedirs(log_dir)
+        row = {"world": world, "run": run, "mode": mode, **train(world, MODES[mode](world), a, prefix, log_dir)}
+        report.section("results", report.record["results"] + [row])
+    print(report.write())
     return 0
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
 from typing import Dict, List
 
@@ -35,6 +33,8 @@ def _summary(results: List[dict]) -> List[dict]:
     rows = []
     for world, run in sorted({(r["world"], r["run"]) for r in results}):
         by = {r["mode"]: r for r in results if r["world"] == world and r["run"] == run}
+        if len(by) < 3:  # a run still going
+            continue
         fixed, one, dyn = by["fixed"], by["degree 1"], by["dynamic"]
         gap = one["tokens_per_second"] - fixed["tokens_per_second"]
         closed = (dyn["tokens_per_second"] - fixed["tokens_per_second"]) / gap if gap > 0 else float("nan")
@@ -61,12 +61,10 @@ def _table(rows: List[dict]) -> List[str]:
     return lines
 
 
-def _plot(path: str, rows: List[dict], gpus: List[dict]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
+def plot(rec: Dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
+    rows, gpus = _summary(rec["results"]), rec["gpus"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for i, mode in enumerate(("fixed", "degree 1", "dynamic")):
         worlds = sorted({r["world"] for r in rows})
@@ -89,19 +87,14 @@ def _plot(path: str, rows: List[dict], gpus: List[dict]) -> None:
     plt.close(fig)
 
 
-def write_report(out: str, setup: Dict, results: List[dict], gpus: List[dict], name: str = "bench_dynamic") -> None:
-    os.makedirs(out, exist_ok=True)
-    base = os.path.join(out, name)
-    rows = _summary(results)
-    with open(base + ".json", "w") as f:
-        json.dump({"setup": setup, "results": results, "gpus": gpus}, f, indent=1)
-    lines = [f"tools/bench_dynamic.py, {setup}", ""] + _table(rows) + ["", "Cost model, Llama-8B bf16 on H200s:", ""]
+def render(rec: Dict) -> str:
+    """The tables of a record (``setup``, ``results``: every run of every mode, ``gpus``: the cost model's)."""
+    setup, gpus = rec["setup"], rec["gpus"]
+    lines = [f"tools/bench_dynamic.py, {setup}", ""] + _table(_summary(rec["results"]))
+    lines += ["", "Cost model, Llama-8B bf16 on H200s:", ""]
     lines += ["| GPUs | fixed s/step | degree 1 | dynamic | dynamic speed-up |", "|---|---|---|---|---|"]
     lines += [
         f"| {g['gpus']} | {g['fixed']:.2f} | {g['degree 1']:.2f} | {g['dynamic']:.2f} | {g['fixed'] / g['dynamic']:.3f} |"
         for g in gpus
     ]
-    with open(base + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    _plot(base + ".png", rows, gpus)
-    print("\n".join(lines))
+    return "\n".join(lines) + "\n"

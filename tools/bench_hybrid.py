@@ -16,7 +16,6 @@ FLOPs each rank computes (causal blocks only).  Writes ``bench_hybrid_P{world}.m
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -26,6 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from ulysses_mcore.bench import Report, run_world  # noqa: E402
 
 
 def splits(world):
@@ -101,6 +101,25 @@ def _worker(rank, world, port, args, queue):
         dist.destroy_process_group()
 
 
+def render(rec) -> str:
+    """The table of a record (``world``, ``heads``, ``kv_heads``, ``head_dim``, ``repeats``, ``rows``)."""
+    rows = rec["rows"]
+    base = {r["seq"]: r["ms"] for r in rows if r["ring"] == 1}
+    lines = [
+        f"# Ulysses x ring on {rec['world']} gloo ranks (1 thread each), causal, fp32, "
+        f"{rec['heads']} q / {rec['kv_heads']} kv heads of {rec['head_dim']}; fwd+bwd median of {rec['repeats']}",
+        "",
+        "| seq | ulysses x ring | ms | vs pure Ulysses | a2a MB sent / rank | ring MB sent / rank | attention GFLOP / rank |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['seq']} | {r['ulysses']} x {r['ring']} | {r['ms']:.1f} | {r['ms'] / base[r['seq']]:.2f} | "
+            f"{r['a2a_mb']:.1f} | {r['ring_mb']:.1f} | {r['gflop']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world", type=int, default=4)
@@ -112,29 +131,10 @@ def main(argv=None):
     p.add_argument("--out", default="docs/perf")
     args = p.parse_args(argv)
     args.seq = [int(x) for x in args.seq.split(",")]
-    from _world import run_world
-
-    res = dict(run_world(args.world, _worker, args))[0]
-    base = {r["seq"]: r["ms"] for r in res if r["ring"] == 1}
-    lines = [
-        f"# Ulysses x ring on {args.world} gloo ranks (1 thread each), causal, fp32, "
-        f"{args.heads} q / {args.kv_heads} kv heads of {args.head_dim}; fwd+bwd median of {args.repeats}",
-        "",
-        "| seq | ulysses x ring | ms | vs pure Ulysses | a2a MB sent / rank | ring MB sent / rank | attention GFLOP / rank |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in res:
-        lines.append(
-            f"| {r['seq']} | {r['ulysses']} x {r['ring']} | {r['ms']:.1f} | {r['ms'] / base[r['seq']]:.2f} | "
-            f"{r['a2a_mb']:.1f} | {r['ring_mb']:.1f} | {r['gflop']:.2f} |"
-        )
-    text = "\n".join(lines) + "\n"
-    print(text)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"bench_hybrid_P{args.world}.md"), "w") as f:
-        f.write(text)
-    with open(os.path.join(args.out, f"bench_hybrid_P{args.world}.json"), "w") as f:
-        json.dump(res, f, indent=1)
+    setup = {k: getattr(args, k) for k in ("world", "heads", "kv_heads", "head_dim", "repeats")}
+    report = Report(args.out, f"bench_hybrid_P{args.world}", render, record=setup)
+    report.section("rows", dict(run_world(args.world, _worker, args))[0])
+    print(report.write())
 
 
 if __name__ == "__main__":

@@ -19,11 +19,13 @@ the measurement), a markdown table and a PNG plot.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from ulysses_mcore.bench import Report, progress, run_world  # noqa: E402
+from ulysses_mcore.planning.memory_model import longest_sequence  # noqa: E402
 
 MODEL = dict(num_layers=4, hidden_size=256, ffn_hidden_size=1024, num_attention_heads=8, num_query_groups=4)
 VOCAB = 512
@@ -104,9 +106,16 @@ def _with_plan(rows):
     return rows
 
 
-def _markdown(rows, fits, budget_gb):
+def render(rec) -> str:
+    """The table of a record (``model``, ``vocab``, ``budget_gb``, ``rows``, ``longest_sequence``)."""
+    return (
+        "\n".join(_markdown(rec["rows"], rec["longest_sequence"], rec["budget_gb"], rec["model"], rec["vocab"])) + "\n"
+    )
+
+
+def _markdown(rows, fits, budget_gb, model, vocab):
     lines = [
-        f"GPTModel {MODEL}, vocab {VOCAB}, fp32, batch 1, local spec + Ulysses SDPA, gloo on CPU; "
+        f"GPTModel {model}, vocab {vocab}, fp32, batch 1, local spec + Ulysses SDPA, gloo on CPU; "
         "per-rank bytes saved for backward (exact, unique storages), weights "
         f"{rows[0]['weights_bytes'] / 1e6:.1f} MB + grads {rows[0]['grads_bytes'] / 1e6:.1f} MB per rank at every degree.",
         "",
@@ -127,14 +136,11 @@ def _markdown(rows, fits, budget_gb):
     ]
 
 
-def _plot(path, rows, splits):
-    try:
-        import matplotlib
+def plot(rec, path):
+    import matplotlib.pyplot as plt
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
+    rows = rec["rows"]
+    splits = list(dict.fromkeys((r["ulysses"], r["cp"]) for r in rows))
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for U, C in splits:
         rs = sorted((r for r in rows if (r["ulysses"], r["cp"]) == (U, C)), key=lambda r: r["seq"])
@@ -149,6 +155,7 @@ def _plot(path, rows, splits):
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv=None):
@@ -158,28 +165,19 @@ def main(argv=None):
     p.add_argument("--budget-gb", type=float, default=1.0, help="per-rank budget for the longest-sequence column")
     p.add_argument("--out", default="runs/bench", help="where the JSON / Markdown / PNG go (docs/perf for the docs)")
     a = p.parse_args(argv)
-    from _world import run_world
-    from ulysses_mcore.planning.memory_model import longest_sequence
-
     splits = [tuple(int(v) for v in x.split("x")) if "x" in x else (int(x), 1) for x in a.degrees.split(",")]
     seqs = [int(x) for x in a.seq.split(",")]
-    rows = []
-    for U, C in splits:
-        print(f"measuring ulysses {U} x cp {C} ...", file=sys.stderr, flush=True)
-        rows += run_world(U * C, _worker, seqs, C, what=f"a rank at ulysses {U} x cp {C}")[0]
-    rows = _with_plan(rows)
     kw = dict(vocab_size=VOCAB, **MODEL)
     fits = {
         P: longest_sequence(a.budget_gb * 1e9, 2 * P, ulysses=P, **kw) for P in sorted({u for u, c in splits if c == 1})
     }
-    os.makedirs(a.out, exist_ok=True)
-    base = os.path.join(a.out, "bench_memory")
-    with open(base + ".json", "w") as f:
-        json.dump({"rows": rows, "longest_sequence": fits, "model": MODEL, "vocab": VOCAB}, f, indent=1)
-    with open(base + ".md", "w") as f:
-        f.write("\n".join(_markdown(rows, fits, a.budget_gb)) + "\n")
-    _plot(base + ".png", rows, splits)
-    print(open(base + ".md").read())
+    setup = {"model": MODEL, "vocab": VOCAB, "budget_gb": a.budget_gb, "longest_sequence": fits}
+    report = Report(a.out, "bench_memory", render, plot, record=dict(setup, rows=[]))
+    rows = []
+    for U, C in progress(splits, desc="bench_memory", unit="layout"):
+        rows = _with_plan(rows + run_world(U * C, _worker, seqs, C, what=f"a rank at ulysses {U} x cp {C}")[0])
+        report.section("rows", rows)
+    print(report.write())
     return 0
 
 

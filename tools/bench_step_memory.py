@@ -21,12 +21,14 @@ GPU the same numbers are ``torch.cuda.max_memory_allocated`` after ``reset_peak_
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from ulysses_mcore import bench  # noqa: E402
+from ulysses_mcore.bench import Report, progress, run_world  # noqa: E402
 
 MODEL = dict(num_layers=2, hidden_size=256, ffn_hidden_size=1024, num_attention_heads=8, num_query_groups=4)
 VOCAB = 32768
@@ -93,7 +95,6 @@ def _worker(rank, world, port, S, feature, recompute, queue):
 
 
 def measure(P, S, feature, recompute):
-    from _world import run_world
 
     res = run_world(P, _worker, S, feature, recompute, what=f"a rank at ulysses {P}, seq {S}, {feature}")
     return {
@@ -163,20 +164,6 @@ def _points(a, degrees, seqs, features):
     return points + [(P, seqs[-1], f, False) for P in degrees for f in a.single.split(",") if f]
 
 
-def _measure_all(points):
-    rows, t0 = [], time.time()
-    for i, (P, S, f, rc) in enumerate(points, 1):
-        rows.append(measure(P, S, f, rc))
-        r = rows[-1]
-        print(
-            f"[{i}/{len(points)} {time.time() - t0:.0f}s] ulysses {P} seq {S} {f}{' +recompute' if rc else ''}: "
-            f"peak {r['peak'] / 1e9:.3f} GB, transient {r['transient'] / 1e9:.3f} GB, step {r['seconds']:.2f} s",
-            file=sys.stderr,
-            flush=True,
-        )
-    return rows
-
-
 def _row_line(r, o):
     """One table row; the ratios to the point without features where it was measured, else '-'."""
     name = r["feature"] + (" + recompute" if r["recompute"] else "")
@@ -188,11 +175,20 @@ def _row_line(r, o):
     )
 
 
-def _markdown(rows, runtime, fits, budget_gb):
+def render(rec) -> str:
+    """The table of a record (``model``, ``vocab``, ``chunks``, ``runtime_bytes``, ``budget_gb``,
+    ``rows``, ``longest_sequence``)."""
+    head = (rec["model"], rec["vocab"], rec["chunks"]["loss"][0], rec["chunks"]["mlp"][1])
+    lines = _markdown(rec["rows"], rec["runtime_bytes"], rec["longest_sequence"], rec["budget_gb"], head)
+    return "\n".join(lines) + "\n"
+
+
+def _markdown(rows, runtime, fits, budget_gb, head):
+    model, vocab, loss_chunk, mlp_chunk = head
     lines = [
-        f"GPTModel {MODEL}, vocab {VOCAB}, fp32, batch 1, Adam, gloo on CPU; per-rank whole-step peak "
+        f"GPTModel {model}, vocab {vocab}, fp32, batch 1, Adam, gloo on CPU; per-rank whole-step peak "
         "(VmHWM of a fresh process over one steady-state step) and transient (peak minus the resident set "
-        f"before the step). loss: --loss-chunk-tokens {CHUNK}; mlp: --mlp-chunk-tokens {CHUNK}.",
+        f"before the step). loss: --loss-chunk-tokens {loss_chunk}; mlp: --mlp-chunk-tokens {mlp_chunk}.",
         "",
         "| ulysses | seq | features | peak (GB) | transient (GB) | transient vs off | step (s) | step vs off | "
         "plan peak (GB) | plan error |",
@@ -212,14 +208,13 @@ def _markdown(rows, runtime, fits, budget_gb):
     return lines + [f"- {k}: {v}" for k, v in fits.items()]
 
 
-def _plot(path, rows, degrees, features, budget_gb):
-    try:
-        import matplotlib
+def plot(rec, path):
+    import matplotlib.pyplot as plt
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
+    rows, budget_gb = rec["rows"], rec["budget_gb"]
+    degrees = sorted({r["degree"] for r in rows})
+    # the features measured at every length (the others: at the longest only, open markers)
+    features = [f for f in rec["chunks"] if len({r["seq"] for r in rows if r["feature"] == f}) > 1]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     styles = {"off": "o-", "loss": "s--", "mlp": "^--", "both": "D-"}
     colors = dict(zip(degrees, ["tab:blue", "tab:orange", "tab:green", "tab:red"]))
@@ -242,6 +237,7 @@ def _plot(path, rows, degrees, features, budget_gb):
     ax.legend(fontsize=7, ncol=3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv=None):
@@ -250,22 +246,25 @@ def main(argv=None):
     degrees = [int(x) for x in a.degrees.split(",")]
     seqs = [int(x) for x in a.seq.split(",")]
     features = a.features.split(",")
-    if a.from_json:
-        with open(a.from_json) as fh:
-            rows = json.load(fh)["rows"]
-    else:
-        rows = _measure_all(_points(a, degrees, seqs, features))
-    runtime, fits = with_plan(rows, a.budget_gb * 1e9, degrees)
-    os.makedirs(a.out, exist_ok=True)
-    base = os.path.join(a.out, "bench_step_memory")
-    record = dict(rows=rows, longest_sequence=fits, model=MODEL, vocab=VOCAB, runtime_bytes=runtime)
-    with open(base + ".json", "w") as fh:
-        json.dump(dict(record, chunks=FEATURES, budget_gb=a.budget_gb), fh, indent=1)
-    with open(base + ".md", "w") as fh:
-        fh.write("\n".join(_markdown(rows, runtime, fits, a.budget_gb)) + "\n")
-    _plot(base + ".png", rows, degrees, features, a.budget_gb)
-    print(open(base + ".md").read())
+    setup = dict(model=MODEL, vocab=VOCAB, chunks=FEATURES, budget_gb=a.budget_gb)
+    if a.from_json:  # re-render a previous run (no measuring)
+        setup["rows"] = bench.load(a.from_json.removesuffix(".json"))["rows"]
+    report = Report(a.out, "bench_step_memory", render, plot, record=setup)
+    points = [] if a.from_json else _points(a, degrees, seqs, features)
+    for point in progress(points, desc="bench_step_memory", unit="step"):
+        report.record.setdefault("rows", []).append(measure(*point))
+        _section(report, degrees)
+    _section(report, degrees)
+    print(report.write())
     return 0
+
+
+def _section(report, degrees) -> None:
+    """The plan's fit over the rows so far, then the report rewritten."""
+    rows = report.record["rows"]
+    runtime, fits = with_plan(rows, report.record["budget_gb"] * 1e9, degrees)
+    report.record.update(runtime_bytes=runtime, longest_sequence=fits)
+    report.section("rows", rows)
 
 
 if __name__ == "__main__":

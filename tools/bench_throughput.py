@@ -15,13 +15,14 @@ L the layers and s the sequence length.
 
 import argparse
 import csv
-import json
 import os
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+
+from ulysses_mcore.bench import Report, progress
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = dict(layers=4, hidden=256, heads=8, groups=4, ffn=1024, vocab=384)
@@ -80,6 +81,29 @@ def run(nproc, threads, seq, iters, gbs):
     return statistics.median(float(x["tokens_per_second"]) for x in rows[2:])
 
 
+def render(rec) -> str:
+    """The table of a record (``model``, ``global_batch_size``, ``rows``)."""
+    rows = rec["rows"]
+    lines = [
+        f"examples/pretrain_gpt.py, model {rec['model']}, fp32, global batch {rec['global_batch_size']}, 2 CPU cores "
+        "(ulysses 1: 1 rank x 2 threads; ulysses 2: 2 ranks x 1 thread); median tokens/s after 2 warm-up iterations.",
+        "",
+        "| seq | ulysses 1 tokens/s | GFLOP/s | ulysses 2 tokens/s | GFLOP/s | u2 / u1 |",
+        "|---|---|---|---|---|---|",
+    ]
+    for s in sorted({r["seq"] for r in rows}):
+        r1 = next((r for r in rows if r["seq"] == s and r["ulysses"] == 1), None)
+        r2 = next((r for r in rows if r["seq"] == s and r["ulysses"] == 2), None)
+        if r1 is None or r2 is None:  # a section still running
+            continue
+        lines.append(
+            f"| {s} | {r1['tokens_per_second']:.0f} | {r1['gflops_per_second']:.2f} | "
+            f"{r2['tokens_per_second']:.0f} | {r2['gflops_per_second']:.2f} | "
+            f"{r2['tokens_per_second'] / r1['tokens_per_second']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seq", default="512,1024,2048,4096")
@@ -87,36 +111,18 @@ def main(argv=None):
     p.add_argument("--global-batch-size", type=int, default=2)
     p.add_argument("--out", default="docs/perf")
     a = p.parse_args(argv)
+    report = Report(
+        a.out, "bench_throughput", render, record={"model": MODEL, "global_batch_size": a.global_batch_size}
+    )
     rows = []
-    for s in [int(x) for x in a.seq.split(",")]:
-        for u, threads in ((1, 2), (2, 1)):
-            print(f"seq {s}, ulysses {u} ...", file=sys.stderr, flush=True)
-            tps = run(u, threads, s, a.iters, a.global_batch_size)
-            rows.append(
-                {"seq": s, "ulysses": u, "tokens_per_second": tps, "gflops_per_second": tps * flops_per_token(s) / 1e9}
-            )
-    os.makedirs(a.out, exist_ok=True)
-    base = os.path.join(a.out, "bench_throughput")
-    with open(base + ".json", "w") as f:
-        json.dump({"model": MODEL, "rows": rows}, f, indent=1)
-    lines = [
-        f"examples/pretrain_gpt.py, model {MODEL}, fp32, global batch {a.global_batch_size}, 2 CPU cores "
-        "(ulysses 1: 1 rank x 2 threads; ulysses 2: 2 ranks x 1 thread); median tokens/s after 2 warm-up iterations.",
-        "",
-        "| seq | ulysses 1 tokens/s | GFLOP/s | ulysses 2 tokens/s | GFLOP/s | u2 / u1 |",
-        "|---|---|---|---|---|---|",
-    ]
-    for s in sorted({r["seq"] for r in rows}):
-        r1 = next(r for r in rows if r["seq"] == s and r["ulysses"] == 1)
-        r2 = next(r for r in rows if r["seq"] == s and r["ulysses"] == 2)
-        lines.append(
-            f"| {s} | {r1['tokens_per_second']:.0f} | {r1['gflops_per_second']:.2f} | "
-            f"{r2['tokens_per_second']:.0f} | {r2['gflops_per_second']:.2f} | "
-            f"{r2['tokens_per_second'] / r1['tokens_per_second']:.2f} |"
+    cases = [(int(s), u, threads) for s in a.seq.split(",") for u, threads in ((1, 2), (2, 1))]
+    for s, u, threads in progress(cases, desc="bench_throughput"):
+        tps = run(u, threads, s, a.iters, a.global_batch_size)
+        rows.append(
+            {"seq": s, "ulysses": u, "tokens_per_second": tps, "gflops_per_second": tps * flops_per_token(s) / 1e9}
         )
-    with open(base + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+        report.section("rows", rows)
+    print(report.write())
     return 0
 
 

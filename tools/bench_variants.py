@@ -26,6 +26,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from ulysses_mcore.bench import Report, progress  # noqa: E402
+
 HEADS, DIM, WINDOW = 4, 64, 512  # per rank after the all-to-all: 4 heads of 64 (MLA: v 32)
 VARIANTS = {
     "causal (SDPA)": dict(),
@@ -172,61 +174,68 @@ def _memory(name, S):
     return mem
 
 
-def _table(rows, seqs):
+def render(rec) -> str:
+    """The table of a record (``heads_per_rank``, ``head_dim``, ``window``, ``rows``)."""
+    rows = rec["rows"]
+    seqs = [int(S) for S in rows[0]["memory"]] if rows else []
     lines = [
-        "\n| variant | max rel error (s=1024, ulysses 2, fwd+bwd) | "
+        "| variant | max rel error (s=1024, ulysses 2, fwd+bwd) | "
         + " | ".join(f"peak MB / s fwd+bwd at s={S}" for S in seqs)
         + " |",
         "|---|---|" + "---|" * len(seqs),
     ]
     for r in rows:
         m = r["memory"]
-        cells = ["--" if m[S] is None else f"{m[S]['peak_mb']:.0f} / {m[S]['seconds']:.1f}" for S in seqs]
+        cells = [
+            "--" if m[str(S)] is None else f"{m[str(S)]['peak_mb']:.0f} / {m[str(S)]['seconds']:.1f}" for S in seqs
+        ]
         lines.append(f"| {r['variant']} | {r['max_rel_err_s1024_u2']:.1e} | " + " | ".join(cells) + " |")
-    return lines
+    return "\n".join(lines) + "\n"
 
 
-def _plot(path, rows, seqs):
-    import matplotlib
-
-    matplotlib.use("Agg")
+def plot(rec, path):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in rows:
-        xs = [S for S in seqs if r["memory"][S] is not None]
-        ax.plot(xs, [r["memory"][S]["peak_mb"] for S in xs], marker="o", label=r["variant"])
+    for r in rec["rows"]:
+        xs = [int(S) for S, m in r["memory"].items() if m is not None]
+        ax.plot(xs, [r["memory"][str(S)]["peak_mb"] for S in xs], marker="o", label=r["variant"])
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("sequence length (tokens on this rank after the all-to-all)")
     ax.set_ylabel("peak working memory, fwd + bwd (MB)")
-    ax.set_title(f"Attention variants, {HEADS} heads x {DIM} per rank (CPU, fp32)")
+    ax.set_title(f"Attention variants, {rec['heads_per_rank']} heads x {rec['head_dim']} per rank (CPU, fp32)")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seqs", type=int, nargs="+", default=[4096, 16384, 32768])
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--plot", default=None)
+    ap.add_argument(
+        "--json", default="runs/bench/bench_variants.json", help="the record (the table and plot beside it)"
+    )
+    ap.add_argument("--plot", default=None, help="also draw the plot here")
     ap.add_argument("--child", nargs=2, metavar=("VARIANT", "S"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
         memory_child(a.child[0], int(a.child[1]))
         return
-    rows = []
-    for name in VARIANTS:
+    out, stem = os.path.split(a.json.removesuffix(".json"))
+    setup = {"heads_per_rank": HEADS, "head_dim": DIM, "window": WINDOW, "rows": []}
+    report = Report(out, stem, render, plot, record=setup)
+    for name in progress(VARIANTS, desc="bench_variants", unit="variant"):
         err = error_of(name)
-        rows.append({"variant": name, "max_rel_err_s1024_u2": err, "memory": {S: _memory(name, S) for S in a.seqs}})
+        memory = {str(S): _memory(name, S) for S in a.seqs}
+        report.section(
+            "rows", report.record["rows"] + [{"variant": name, "max_rel_err_s1024_u2": err, "memory": memory}]
+        )
         print(f"[bench_variants] {name:>24}: max rel error vs float64 (s=1024, ulysses 2) {err:.1e}", flush=True)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"heads_per_rank": HEADS, "head_dim": DIM, "window": WINDOW, "rows": rows}, f, indent=1)
-    print("\n".join(_table(rows, a.seqs)))
+    print(report.write())
     if a.plot:
-        _plot(a.plot, rows, a.seqs)
+        plot(report.record, a.plot)
 
 
 if __name__ == "__main__":
