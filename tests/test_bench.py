@@ -21,6 +21,7 @@ COMMITTED = {
     "bench_memory": "bench_memory",
     "bench_step_memory": "bench_step_memory",
     "bench_variants": "bench_variants",
+    "bench_overhead": "bench_overhead",
     "bench_dynamic_light": "bench_dynamic_report",
     "bench_dynamic_heavy": "bench_dynamic_report",
     "bench_attention_P2_reuse_allocator": "bench_attention",

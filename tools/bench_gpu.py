@@ -16,7 +16,6 @@ script cannot call a function that is gone.
 """
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -24,6 +23,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import torch  # noqa: E402
+from ulysses_mcore import bench  # noqa: E402
 
 
 def sync(dev):
@@ -176,40 +176,27 @@ TABLES = {  # section -> (title, header, row format)
 }
 
 
-class Report:
-    """``STEM.json`` and ``STEM.md`` in ``out_dir``, rewritten after every section (the GPU check's
-    scripts share it): a section that fails is recorded as a row and the next one runs."""
+class Report(bench.Report):
+    """The GPU check's report (this script's and ``gpu_model_check.py``'s): ``STEM.json`` / ``STEM.md``
+    under ``out_dir`` with the device's name, a table per section, written as each finishes."""
 
     def __init__(self, out_dir, stem, title, tables, device):
-        self.out_dir, self.stem, self.title, self.tables = out_dir, stem, title, tables
-        os.makedirs(out_dir, exist_ok=True)
         name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-        self.res = {"device": name, "torch": torch.__version__}
-        self.failed = 0
+        super().__init__(out_dir, stem, self._render, record={"device": name, "torch": torch.__version__})
+        self.title, self.tables = title, tables
 
-    def write(self):
-        with open(os.path.join(self.out_dir, f"{self.stem}.json"), "w") as f:
-            json.dump(self.res, f, indent=1)
-        lines = [f"# {self.title} on {self.res['device']} (torch {self.res['torch']})"]
+    def _render(self, rec) -> str:
+        lines = [f"# {self.title} on {rec['device']} (torch {rec['torch']})"]
         for name, (title, header, fmt) in self.tables.items():
-            if name in self.res:
-                lines += _table(title, header, self.res[name], fmt)
-        with open(os.path.join(self.out_dir, f"{self.stem}.md"), "w") as f:
-            f.write("\n".join(lines) + "\n")
-        return lines
+            if name in rec:
+                lines += _table(title, header, rec[name], fmt)
+        return "\n".join(lines) + "\n"
 
-    def run(self, sections):
-        """``sections``: (name, function) pairs, run in order; returns the exit status (1 if any failed)."""
-        for name, fn in sections:
-            try:
-                self.res[name] = fn()
-            except Exception as e:  # noqa: BLE001 - recorded in the results; the next section still runs
-                self.res[name] = [{"skipped": f"failed: {type(e).__name__}: {str(e).strip()[:300]}"}]
-                self.failed += 1
-            print(f"[{self.stem}] {name} done", flush=True)
-            self.write()
-        print("\n".join(self.write()))
-        return 1 if self.failed else 0
+    def run(self, sections) -> int:
+        """The sections in order; the exit status (1 if any failed)."""
+        failed = self.run_sections(sections)
+        print(self.write())
+        return 1 if failed else 0
 
 
 def main(argv=None):

@@ -23,14 +23,13 @@ fwd+bwd overhead minus the forward one.  Prints a table per run and a min / medi
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from tools._world import run_world  # noqa: E402
+from ulysses_mcore.bench import Report, progress, run_world  # noqa: E402
 
 
 def _median_us(fn, calls, barrier):
@@ -142,6 +141,12 @@ def _row(r):
     return r
 
 
+def render(rec) -> str:
+    """The min / median / max table of a record (``rows``: one per run and degree)."""
+    rows = rec["rows"]
+    return _summary(rows, sorted({r["P"] for r in rows})) + "\n"
+
+
 def _summary(rows, degrees):
     cols = ("ulysses_fwd_over_us", "ulysses_bwd_over_us", "deepspeed_fwd_over_us", "deepspeed_bwd_over_us")
     lines = [
@@ -165,27 +170,24 @@ def main(argv=None):
     p.add_argument("--degrees", default="2,4,8")
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--runs", type=int, default=1, help="separate worlds per degree (a new set of processes each)")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default="runs/bench/bench_overhead.json", help="the record (the table beside it)")
     a = p.parse_args(argv)
     degrees = [int(x) for x in a.degrees.split(",")]
-    rows = []
-    for run in range(1, a.runs + 1):
-        for P in degrees:
-            (r,) = run_world(P, _world, a.calls, what=f"the overhead benchmark at P={P}")
-            r = _row(dict(r, run=run))
-            rows.append(r)
-            print(
-                f"[run {run}/{a.runs}] P={P}: floor {r['floor_fwd_us']:.0f} us fwd, {r['floor_fwd_bwd_us']:.0f} us "
-                f"fwd+bwd | overhead beyond it: ulysses {r['ulysses_fwd_over_us']:.0f} fwd + "
-                f"{r['ulysses_bwd_over_us']:.0f} bwd, DeepSpeed {r['deepspeed_fwd_over_us']:.0f} fwd + "
-                f"{r['deepspeed_bwd_over_us']:.0f} bwd",
-                flush=True,
-            )
+    report = Report(*os.path.split(a.json.removesuffix(".json")), render, record={"rows": []})
+    cases = [(run, P) for run in range(1, a.runs + 1) for P in degrees]
+    for run, P in progress(cases, desc="bench_overhead", unit="world"):
+        (r,) = run_world(P, _world, a.calls, what=f"the overhead benchmark at P={P}")
+        r = _row(dict(r, run=run))
+        report.section("rows", report.record["rows"] + [r])
+        print(
+            f"[run {run}/{a.runs}] P={P}: floor {r['floor_fwd_us']:.0f} us fwd, {r['floor_fwd_bwd_us']:.0f} us "
+            f"fwd+bwd | overhead beyond it: ulysses {r['ulysses_fwd_over_us']:.0f} fwd + "
+            f"{r['ulysses_bwd_over_us']:.0f} bwd, DeepSpeed {r['deepspeed_fwd_over_us']:.0f} fwd + "
+            f"{r['deepspeed_bwd_over_us']:.0f} bwd",
+            flush=True,
+        )
     print()
-    print(_summary(rows, degrees))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    print(report.write())
     return 0
 
 

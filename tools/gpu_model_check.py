@@ -350,7 +350,7 @@ def _or_dash(x):
 def _section(name, dev, quick, report):
     """A section's function with what it needs of earlier sections (speed: the measured peak)."""
     if name == "speed":
-        return lambda: section_speed(dev, quick, (report.res.get("peak") or [{}])[0].get("tflops"))
+        return lambda: section_speed(dev, quick, (report.record.get("peak") or [{}])[0].get("tflops"))
     return lambda: SECTIONS[name](dev, quick)
 
 
@@ -366,7 +366,7 @@ def main(argv=None):
     world_of_one(dev, seed=1234)
     report = Report(a.out, "gpu_model", "GPTModel with UlyssesAttention", TABLES, dev)
     status = report.run([(name, _section(name, dev, a.quick, report)) for name in a.sections.split(",")])
-    losses = report.res.get("losses", [{}])
+    losses = report.record.get("losses", [{}])
     if a.save_cpu_losses and dev.type == "cpu" and "loss" in losses[0]:
         with open(CPU_LOSSES, "w") as f:
             json.dump({"what": "tools/gpu_model_check.py --device cpu --sections losses", "torch": torch.__version__,

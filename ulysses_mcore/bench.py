@@ -95,6 +95,20 @@ class Report:
         self.record[key] = value
         self.write()
 
+    def run_sections(self, sections, label: str = "") -> int:
+        """``sections``: (name, function) pairs, run in order, each written as it finishes; a section that
+        raises is recorded as a row saying so and the next one runs.  Returns how many failed."""
+        failed = 0
+        for name, fn in sections:
+            try:
+                value = fn()
+            except Exception as e:  # noqa: BLE001 - recorded in the report; the next section still runs
+                value = [{"skipped": f"failed: {type(e).__name__}: {str(e).strip()[:300]}"}]
+                failed += 1
+            self.section(name, value)
+            print(f"[{label or os.path.basename(self.base)}] {name} done", file=sys.stderr, flush=True)
+        return failed
+
     def write(self) -> str:
         """Rewrite ``STEM.json``, ``STEM.md`` and ``STEM.png`` (atomic per file); return the Markdown."""
         _atomic(self.base + ".json", json.dumps(self.record, indent=1))
