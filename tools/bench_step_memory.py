@@ -208,29 +208,37 @@ def _markdown(rows, runtime, fits, budget_gb, head):
     return lines + [f"- {k}: {v}" for k, v in fits.items()]
 
 
-def plot(rec, path):
-    import matplotlib.pyplot as plt
+STYLES = {"off": "o-", "loss": "s--", "mlp": "^--", "both": "D-"}
 
-    rows, budget_gb = rec["rows"], rec["budget_gb"]
-    degrees = sorted({r["degree"] for r in rows})
-    # the features measured at every length (the others: at the longest only, open markers)
-    features = [f for f in rec["chunks"] if len({r["seq"] for r in rows if r["feature"] == f}) > 1]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    styles = {"off": "o-", "loss": "s--", "mlp": "^--", "both": "D-"}
-    colors = dict(zip(degrees, ["tab:blue", "tab:orange", "tab:green", "tab:red"]))
-    for P in degrees:
+
+def _curves(rows, features):
+    """(degree, label, style, [(seq, peak GB)]) of each feature measured at every length, and of full recompute."""
+    for P in sorted({r["degree"] for r in rows}):
         for f, rc in [(f, False) for f in features] + [("both", True)]:
             rs = sorted(
                 (r for r in rows if (r["degree"], r["feature"], r["recompute"]) == (P, f, rc)), key=lambda r: r["seq"]
             )
-            style = ":" if rc else styles[f]
-            label = f"U{P} {f}{' +rc' if rc else ''}"
-            ax.plot(
-                [r["seq"] for r in rs], [r["peak"] / 1e9 for r in rs], style, color=colors[P], label=label, alpha=0.9
+            yield (
+                P,
+                f"U{P} {f}{' +rc' if rc else ''}",
+                ":" if rc else STYLES[f],
+                [(r["seq"], r["peak"] / 1e9) for r in rs],
             )
+
+
+def plot(rec, path):
+    import matplotlib.pyplot as plt
+
+    rows = rec["rows"]
+    # the features measured at every length (the others: at the longest only, open markers)
+    features = [f for f in rec["chunks"] if len({r["seq"] for r in rows if r["feature"] == f}) > 1]
+    colors = dict(zip(sorted({r["degree"] for r in rows}), ["tab:blue", "tab:orange", "tab:green", "tab:red"]))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for P, label, style, points in _curves(rows, features):
+        ax.plot([x for x, _ in points], [y for _, y in points], style, color=colors[P], label=label, alpha=0.9)
     for r in (r for r in rows if r["feature"] not in features and not r["recompute"]):
-        ax.plot([r["seq"]], [r["peak"] / 1e9], styles[r["feature"]][0], color=colors[r["degree"]], mfc="none")
-    ax.axhline(budget_gb, color="gray", lw=0.8)
+        ax.plot([r["seq"]], [r["peak"] / 1e9], STYLES[r["feature"]][0], color=colors[r["degree"]], mfc="none")
+    ax.axhline(rec["budget_gb"], color="gray", lw=0.8)
     ax.set(xscale="log", xlabel="sequence length", ylabel="whole-step peak GB per rank")
     ax.set_title("whole-step peak memory per rank (open markers: one feature alone)")
     ax.grid(alpha=0.3)
