@@ -15,9 +15,12 @@ import torch
 import torch.distributed as dist
 
 from .backends import Kernel
-from .call import CallCache
+from .call import LIVE_CACHES, CallCache
 from .options import NO_TENSORS, CallSite, CallTensors, attention_options
-from .orders import load_balanced_permutation, per_document_order  # noqa: F401 - public here too
+from .orders import host_bounds, host_lengths, load_balanced_permutation, per_document_order  # noqa: F401 - public here too
+from .te import _TE_CACHE
+from .topology import Topology, TopologyError
+from .transport import POOL
 
 CALLS = CallCache()  # the functional API's prepared calls (a UlyssesAttention module keeps its own)
 
@@ -151,10 +154,6 @@ def release() -> None:
     document boundaries.  ``UlyssesAttention`` modules hold their own prepared calls: they go with
     the model.  Not needed for a clean exit: at exit the package lets go of every group it holds
     by itself (:func:`_let_go_at_exit`)."""
-    from .te import _TE_CACHE
-    from .transport import POOL
-    from .orders import host_bounds, host_lengths
-
     CALLS.clear()
     _TE_CACHE.clear()
     POOL.clear()
@@ -170,8 +169,6 @@ def _let_go_at_exit() -> None:
     gloo's destructor then ends the process with ``terminate called without an active exception``
     (SIGABRT): 2 of 12, then 11 of 30 two-rank worlds without this hook, 0 of 100 with it
     (tests/test_attention.py, docs/design.md)."""
-    from .call import LIVE_CACHES
-
     release()
     for cache in list(LIVE_CACHES):
         cache.clear()
@@ -184,8 +181,6 @@ def new_sequence_groups(ulysses: int, cp: int = 1):
     Megatron), so rank ``u + ulysses*j`` holds sequence shard ``u + ulysses*j``.  ``None``
     for an axis of size 1.  Every rank must call it (it creates process groups).  Raises
     ``ValueError`` on every rank alike, before creating any group, when the sizes do not fit."""
-    from .topology import Topology, TopologyError
-
     world, rank = dist.get_world_size(), dist.get_rank()
     try:
         topo = Topology(world, ulysses=ulysses, cp=cp)

@@ -231,7 +231,7 @@ def torch_varlen_applies(q, v) -> bool:
 
 
 def _torch_varlen(q, k, v, cu_seqlens, seqlens, *, causal, softmax_scale, max_seqlen):
-    from torch.nn.attention.varlen import varlen_attn
+    from torch.nn.attention.varlen import varlen_attn  # torch builds without it: only where _TORCH_VARLEN
 
     kw = dict(scale=softmax_scale)
     params = inspect.signature(varlen_attn).parameters

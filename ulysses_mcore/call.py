@@ -22,17 +22,18 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from .agreement import agree_call, digest
 from .backends import plain_sdpa_kernel, resolve
-from .te import te_attention
+from .checks import has_values
 from .exchange import exchange_out, exchange_qkv, kv_index, pack_lse, unpack_lse
 from .heads import HeadPlan, seq_dim
-from .routes import OutRoute, qkv_route
-from .agreement import agree_call, digest
 from .options import NO_TENSORS, CallSite, CallTensors
 from .orders import token_orders
-from .checks import has_values
+from .overlap import ChunkRoutes, OverlappedUlysses
+from .ring import ring_attention
+from .routes import OutRoute, qkv_route
+from .te import te_attention
 from .validation import check_call, group_sizes
-
 
 # how each per-call field enters a signature: "tensor" (shape, dtype, device, requires_grad),
 # "boundaries" (document boundaries: a new batch's are not a new signature: dtype and device only),
@@ -248,8 +249,6 @@ class PreparedCall:
         sd = seq_dim(self.layout)
         self.orders = token_orders(opts.token_order, plan.ulysses, q.shape[sd] * plan.ulysses, q.device, sd)
         if opts.overlap_chunks > 1:
-            from .overlap import ChunkRoutes
-
             self.chunks = ChunkRoutes(plan, rank, opts.overlap_chunks, A, B, q.shape[3], self.layout)
 
     # ------------------------------------------------------------------------- per call
@@ -307,8 +306,6 @@ class PreparedCall:
         return to_received(res)
 
     def _overlapped(self, q, k, v, tensors):
-        from .overlap import OverlappedUlysses
-
         qc = self.chunks.qc
         return OverlappedUlysses.apply(
             q,
@@ -324,7 +321,6 @@ def ring_kernel(backend, ring_group, token_order: str):
     """The inner kernel when a ring follows the all-to-all: this rank's ring shard in, out."""
     if backend == "te":
         return partial(te_attention, ring_group=ring_group)
-    from .ring import ring_attention
 
     def lse_ring(
         q,

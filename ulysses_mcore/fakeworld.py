@@ -60,6 +60,7 @@ def unavailable() -> str:
 def fake_world(world_size: int, rank: int = 0):
     """A fake process group of ``world_size`` ranks (this process is ``rank``) and a fake tensor
     mode; yields the mode.  Refuses to replace a process group already initialised."""
+    # torch's fake-tensor and fake-group internals load only for a dry run
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -262,7 +263,7 @@ def _varlen_op(name: str):
 
 
 def flop_counter(docs: Optional[List[int]] = None):
-    from torch.utils.flop_counter import FlopCounterMode
+    from torch.utils.flop_counter import FlopCounterMode  # a dry run's FLOP count only
 
     return FlopCounterMode(display=False, custom_mapping=flop_mapping(docs))
 

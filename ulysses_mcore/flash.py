@@ -65,9 +65,9 @@ def flash_problem(dropout: bool, mla: bool) -> str:
 def _flash_functions(which: str):
     """(dense, varlen) functions of flash-attn 2 or 3."""
     if which == "fa3":
-        import flash_attn_interface as fa
+        import flash_attn_interface as fa  # optional (CUDA only): imported on the first call that runs it
     else:
-        import flash_attn as fa
+        import flash_attn as fa  # optional (CUDA only)
     return fa.flash_attn_func, fa.flash_attn_varlen_func
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Tuple
 
 import torch
+import torch.distributed as dist
 
 from .varlen import kernel_window, varlen_args
 
@@ -43,7 +44,7 @@ class TEAttention(torch.nn.Module):
 
     def __init__(self, heads, kv_heads, d, dv, *, softmax_scale, dropout_p=0.0, layer_number=None, ring_group=None):
         super().__init__()
-        import transformer_engine.pytorch as te
+        import transformer_engine.pytorch as te  # optional (CUDA only): imported when a module is built
 
         kw = dict(layer_number=layer_number) if layer_number is not None else {}
         self.inner = te.DotProductAttention(
@@ -57,8 +58,6 @@ class TEAttention(torch.nn.Module):
             **kw,
         )
         if ring_group is not None:
-            import torch.distributed as dist
-
             self.inner.set_context_parallel_group(
                 ring_group, dist.get_process_group_ranks(ring_group), torch.cuda.Stream(), "p2p"
             )

@@ -30,6 +30,8 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
+from .heads import head_layout_error
+
 AXES = ("tp", "ulysses", "cp", "ep", "dp", "pp")
 DEFAULT_ORDER = "tp-ulysses-cp-ep-dp-pp"
 FLAGS = {
@@ -293,8 +295,6 @@ class Topology:
         load_balanced: Optional[bool] = None,
     ) -> None:
         """Raise :class:`TopologyError` if the model cannot be laid out on this topology."""
-        from .heads import head_layout_error
-
         groups = num_query_groups or num_attention_heads
         if num_attention_heads % self.tp or groups % self.tp:
             raise TopologyError(

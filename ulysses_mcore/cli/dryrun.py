@@ -18,7 +18,7 @@ from dataclasses import asdict
 
 
 def build_parser():
-    from ulysses_mcore.megatron.trainer.arguments import build_parser as pretrain_parser
+    from ulysses_mcore.megatron.trainer.parser import build_parser as pretrain_parser  # --help stays light
 
     p = pretrain_parser(__doc__)
     g = p.add_argument_group("dry run")
@@ -65,6 +65,7 @@ def _layout(args) -> str:
 
 
 def main(argv=None) -> int:
+    # torch's fake CUDA and Megatron (seconds of start-up) only once the flags parse
     from ulysses_mcore import fakeworld as fw
 
     args = build_parser().parse_args(argv)

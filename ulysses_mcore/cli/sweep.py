@@ -87,7 +87,7 @@ def _command(a, run: Run, lay: Topology, log_dir: str):
         str(_free_port()),
     ]
     if a.megatron_lm:
-        from ..megatron.compat.patches import CPU_FLAGS
+        from ..megatron.compat.patches import CPU_FLAGS  # Megatron-LM runs only: the patches room
 
         flags = (
             run.trainer_flags()
@@ -219,7 +219,7 @@ def cmd_sweep(a) -> int:
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     if a.megatron_lm:  # skipped with the reason, not a failed sweep
-        import torch
+        import torch  # whether a GPU is here: only for Megatron-LM sweeps
 
         layouts = runnable_by_megatron_lm(layouts, dropped, torch.cuda.is_available())
     if a.layouts:

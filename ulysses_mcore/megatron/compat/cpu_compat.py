@@ -93,7 +93,7 @@ def apply(force: bool = False) -> bool:
         return True
     if torch.cuda.is_available() and not force:
         return False
-    import megatron.core.tensor_parallel.random as mrandom
+    import megatron.core.tensor_parallel.random as mrandom  # only where the shims are installed
 
     cuda = torch.cuda
     for name in (
@@ -194,7 +194,7 @@ def apply_megatron_lm(force: bool = False) -> bool:
         return False
     if ("megatron.training.initialize", "_initialize_distributed") in _SAVED:
         return True
-    import megatron.training.initialize as init
+    import megatron.training.initialize as init  # Megatron-LM (optional): only for its trainer
 
     init_fn = init.initialize_megatron
     _patch("megatron.training.initialize", "initialize_megatron", _allow_no_cuda(init_fn))

@@ -37,7 +37,7 @@ class _NoPinning(TorchFunctionMode):
 def stand_ins():
     """Device 0 for ``current_device``, no CUDA RNG state to fork, pinning a no-op, and new
     tensors on CUDA by default (norms and buffers Megatron builds without a device)."""
-    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.tensor_parallel import random as mrandom  # only while the stand-ins are in force
 
     saved = (
         torch.cuda.current_device,

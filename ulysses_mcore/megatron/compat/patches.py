@@ -40,7 +40,19 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import os
+import sys
 from typing import Dict, Tuple
+
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from ulysses_mcore.megatron.layer.groups import remember
+from ulysses_mcore.megatron.layer.memory import enable_chunked_loss
+from ulysses_mcore.megatron.layer.module import UlyssesAttention
+from ulysses_mcore.megatron.layer.specs import swap_core_attention, swap_mlp
+from ulysses_mcore.topology import Topology, TopologyError
 
 
 class PatchState:
@@ -175,8 +187,6 @@ def _check_flags(args):
     ring = getattr(args, "context_parallel_size", 1) or 1
     heads = getattr(args, "num_attention_heads", None)
     if heads is not None and ulysses > 1:
-        from ulysses_mcore.topology import Topology
-
         tp = getattr(args, "tensor_model_parallel_size", 1) or 1
         pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
         world = getattr(args, "world_size", None) or tp * ulysses * ring * pp
@@ -190,8 +200,6 @@ def _check_flags(args):
 def _use_ulysses_in_local_spec():
     """megatron.training's GPT builder shares one local-attention spec: make it Ulysses."""
     if "spec" in PATCHES.local_spec:
-        from ulysses_mcore import UlyssesAttention
-
         _say("core attention: UlyssesAttention (inner kernel sdpa) for megatron.training's local attention backend")
         PATCHES.local_spec["spec"].module = UlyssesAttention
         PATCHES.local_spec["spec"].params = {
@@ -201,10 +209,6 @@ def _use_ulysses_in_local_spec():
 
 def _say(message: str) -> None:
     """Print on global rank 0 only (``$RANK`` before torch.distributed is up)."""
-    import os
-
-    import torch.distributed as dist
-
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
     if rank == 0:
         print(f"[ulysses-mcore] {message}", flush=True)
@@ -224,12 +228,9 @@ def _wrap_init(fn):
     @functools.wraps(fn)
     def initialize_model_parallel(*a, **kw):
         out = fn(*a, **kw)
-        from ulysses_mcore.megatron.layer.groups import remember
 
         remember(_topology_of_parallel_state())
         if _STATE["ulysses"] > 1:
-            from megatron.core import parallel_state as ps
-
             _say(
                 f"parallel axes in force: tp {ps.get_tensor_model_parallel_world_size()} x ulysses "
                 f"{_STATE['ulysses']} x cp {_STATE['cp']} x dp {ps.get_data_parallel_world_size()} x pp "
@@ -244,11 +245,6 @@ def _wrap_init(fn):
 
 def _topology_of_parallel_state():
     """Megatron-LM's world as a Topology (its order tp-cp-ep-dp-pp is ours with cp = ulysses x ring)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    from ulysses_mcore.topology import Topology, TopologyError
-
     try:
         return Topology(
             dist.get_world_size(),
@@ -265,7 +261,6 @@ def _topology_of_parallel_state():
 def _wrap_spec(fn, default_backend):
     @functools.wraps(fn)
     def spec_fn(*a, **kw):
-        from ulysses_mcore.megatron.layer.specs import swap_core_attention, swap_mlp
 
         spec = fn(*a, **kw)
         if _STATE.get("mlp_chunk"):
@@ -308,8 +303,6 @@ def _wrap_setup_model(fn):
         out = fn(*a, **kw)
         models = out[0]
         if _STATE.get("loss_chunk"):
-            from ulysses_mcore.megatron.layer.memory import enable_chunked_loss
-
             for m in models if isinstance(models, list) else [models]:
                 core = m
                 while not hasattr(core, "output_layer") and hasattr(core, "module"):
@@ -324,8 +317,6 @@ def _wrap_setup_model(fn):
 
 def _local_core_attention(original):
     """What megatron.training's GPT builder puts in for ``--attention-backend local``."""
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
     PATCHES.local_spec["spec"] = ModuleSpec(module=original, params={})
     return PATCHES.local_spec["spec"]  # a shared spec: fold_args makes it Ulysses when --ulysses-degree > 1
 
@@ -358,8 +349,6 @@ def _targets():
             out.append((mod, name, wrap))
     # modules that imported the patched functions by name (Megatron-LM's gpt_builders, the
     # 0.19 wheel's GPT model builder)
-    import sys
-
     for modname in ("gpt_builders", "megatron.training.initialize", "pretrain_gpt", "megatron.training.models.gpt"):
         if modname == "pretrain_gpt":  # a script: patched only if something imported it, never run here
             mod = sys.modules.get(modname)
