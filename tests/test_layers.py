@@ -169,3 +169,25 @@ def test_tests_mirror_modules():
     }
     missing = sorted(t for t in want if not (ROOT / "tests" / t).exists())
     assert not missing, f"modules without their test file: {missing}"
+
+
+def test_every_import_inside_a_function_says_why():
+    """Package imports sit at the top of modules; one inside a function carries its reason (an optional
+    dependency, a measured start-up cost) on its line, or its group of imports does on the line above."""
+    import ast
+
+    bare = []
+    for path in sorted((ROOT / "ulysses_mcore").rglob("*.py")):
+        lines = path.read_text().splitlines()
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    i = node.lineno - 1
+                    while i > 0 and lines[i - 1].strip().startswith(("from ", "import ")):
+                        i -= 1  # the first import of this group
+                    group = lines[i : node.end_lineno]
+                    if not any("#" in line for line in group) and not lines[i - 1].strip().startswith("#"):
+                        bare.append(f"{path.relative_to(ROOT)}:{node.lineno} {lines[node.lineno - 1].strip()}")
+    assert not bare, "imports inside functions without a reason:\n" + "\n".join(bare)

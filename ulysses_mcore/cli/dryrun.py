@@ -73,6 +73,7 @@ def main(argv=None) -> int:
     if why:
         print(f"error: ulysses-mcore dryrun: {why}", file=sys.stderr)
         return 2
+    # Megatron and the dry run's model code only once fake CUDA is known to work here
     from ulysses_mcore.megatron.trainer import dryrun
     from ulysses_mcore.megatron.trainer.arguments import padded_vocab
 

@@ -30,13 +30,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None):
     a = build_parser().parse_args(argv)
     try:
-        import matplotlib
+        import matplotlib  # optional (the plot extra)
     except ImportError:
         print("error: ulysses-mcore plot needs matplotlib: pip install 'ulysses-mcore[plot]'", file=sys.stderr)
         return 2
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional (the plot extra)
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for i, path in enumerate(a.csv):

@@ -219,7 +219,7 @@ def writer_helpers_die_with_this_rank() -> None:
     writers get the signal from :func:`ulysses_mcore.lifetime.children_die_with_this_process`."""
     children_die_with_this_process()
     try:
-        from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+        from megatron.core.dist_checkpointing.strategies import filesystem_async as fa  # not in every release
     except ImportError:
         return
     if _WRITER_MANAGER or getattr(fa, "_results_queue", "absent") is not None:

@@ -23,7 +23,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from ulysses_mcore.megatron.layer.groups import built_topology
 from ulysses_mcore.megatron.layer.specs import get_ulysses_layer_spec
@@ -57,7 +57,7 @@ def gpt_config(**kw):
         kw.setdefault("pipeline_dtype", kw.get("params_dtype", torch.float32))
     config_class = TransformerConfig
     if kw.get("multi_latent_attention"):  # MLA (DeepSeek-V2/V3): Megatron's own config class for it
-        from megatron.core.transformer.transformer_config import MLATransformerConfig as config_class
+        config_class = MLATransformerConfig
     cfg = config_class(**kw)
     check_config(cfg)
     return cfg
