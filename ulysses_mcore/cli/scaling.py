@@ -32,6 +32,7 @@ import sys
 
 from typing import List
 
+from ..bench import Report
 from ..flags import explain
 from .sweep import cmd_sweep
 from ..megatron.trainer.arguments import layout_problem
@@ -81,7 +82,13 @@ def cmd_fit(a) -> int:
     rows = [r for r in rec["rows"].values() if "error" not in r and "attention_s" in r]
     if len(rows) < 2:
         raise SystemExit(f"error: {a.out}/sweep.json has {len(rows)} timed layouts; fit needs 2 or more (run sweep)")
-    ev = evaluate(rows, run)
+    report = Report(a.out, "fit", render_fit, record=evaluate(rows, run))
+    print(report.write(), end="")
+    return 0
+
+
+def render_fit(ev: dict) -> str:
+    """The fit's table (``OUT/fit.md``): each layout measured, fitted on all rows, held out."""
     lines = [
         "| layout | measured step ms | model (fitted on all) | error | model (held out) | error |",
         "|---" * 6 + "|",
@@ -98,12 +105,7 @@ def cmd_fit(a) -> int:
         f"held out; rank correlation with the measured order: {ev['in_sample_rank_corr']:.2f} / "
         f"{ev['held_out_rank_corr']:.2f}",
     ]
-    print("\n".join(lines))
-    with open(os.path.join(a.out, "fit.json"), "w") as f:
-        json.dump(ev, f, indent=1)
-    with open(os.path.join(a.out, "fit.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    return 0
+    return "\n".join(lines) + "\n"
 
 
 def best_layouts(preset_name: str, model: str, seq: int, gpus: int, global_batch: int, top: int = 3):
