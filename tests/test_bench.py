@@ -1,9 +1,8 @@
 """The benchmark harness (ulysses_mcore.bench): a report rewritten as each section finishes, a failed
 rank named instead of awaited, and every committed table re-rendered from its JSON unchanged."""
 
-import importlib.util
+import importlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,20 +27,9 @@ COMMITTED = {
 }
 
 
-def _tool(name):
-    spec = importlib.util.spec_from_file_location(f"tools_{name}", ROOT / "tools" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(ROOT / "tools"))
-    return mod
-
-
 @pytest.mark.parametrize("stem", sorted(COMMITTED))
 def test_every_committed_table_rerenders_from_its_json_unchanged(stem):
-    render = _tool(COMMITTED[stem]).render
+    render = importlib.import_module(f"tools.{COMMITTED[stem]}").render
     assert bench.rerender(str(PERF / stem), render) == (PERF / f"{stem}.md").read_text()
 
 

@@ -8,7 +8,8 @@ import time
 import torch.distributed as dist
 
 from tests.helpers import run_threaded
-from ulysses_mcore.megatron.trainer.loop import RunState, _exit_reason
+from ulysses_mcore.megatron.trainer.loop import _exit_reason
+from ulysses_mcore.megatron.trainer.pretrain import RunState
 
 
 def _args(**kw):

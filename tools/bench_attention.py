@@ -301,7 +301,7 @@ def main(argv=None):
     note = f"{os.cpu_count()} CPU cores, {a.threads} torch thread(s) per rank, {a.repeats} repeats."
     report = Report(a.out, f"bench_attention_P{a.world}", render, plot, record={"world": a.world, "note": note})
     report.section("rows", run_world(a.world, _worker, a)[0])
-    print(report.write())
+    print(report.text)
     print(f"wrote {report.base}.md/.json/.png")
     return 0
 

@@ -120,7 +120,7 @@ def main(argv=None):
         os.makedirs(log_dir)
         row = {"world": world, "run": run, "mode": mode, **train(world, MODES[mode](world), a, prefix, log_dir)}
         report.section("results", report.record["results"] + [row])
-    print(report.write())
+    print(report.text)
     return 0
 
 

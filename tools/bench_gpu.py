@@ -195,7 +195,7 @@ class Report(bench.Report):
     def run(self, sections) -> int:
         """The sections in order; the exit status (1 if any failed)."""
         failed = self.run_sections(sections)
-        print(self.write())
+        print(self.text)
         return 1 if failed else 0
 
 

@@ -134,7 +134,7 @@ def main(argv=None):
     setup = {k: getattr(args, k) for k in ("world", "heads", "kv_heads", "head_dim", "repeats")}
     report = Report(args.out, f"bench_hybrid_P{args.world}", render, record=setup)
     report.section("rows", dict(run_world(args.world, _worker, args))[0])
-    print(report.write())
+    print(report.text)
 
 
 if __name__ == "__main__":

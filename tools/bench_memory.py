@@ -177,7 +177,7 @@ def main(argv=None):
     for U, C in progress(splits, desc="bench_memory", unit="layout"):
         rows = _with_plan(rows + run_world(U * C, _worker, seqs, C, what=f"a rank at ulysses {U} x cp {C}")[0])
         report.section("rows", rows)
-    print(report.write())
+    print(report.text)
     return 0
 
 

@@ -187,7 +187,7 @@ def main(argv=None):
             flush=True,
         )
     print()
-    print(report.write())
+    print(report.text)
     return 0
 
 

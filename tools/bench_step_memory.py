@@ -263,7 +263,7 @@ def main(argv=None):
         report.record.setdefault("rows", []).append(measure(*point))
         _section(report, degrees)
     _section(report, degrees)
-    print(report.write())
+    print(report.text)
     return 0
 
 

@@ -122,7 +122,7 @@ def main(argv=None):
             {"seq": s, "ulysses": u, "tokens_per_second": tps, "gflops_per_second": tps * flops_per_token(s) / 1e9}
         )
         report.section("rows", rows)
-    print(report.write())
+    print(report.text)
     return 0
 
 

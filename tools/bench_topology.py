@@ -62,7 +62,7 @@ def main(argv=None):
     report = Report(a.out, "bench_topology", render, record={"world_size": a.world_size, "rows": []})
     for cfg in progress(CONFIGS, desc="bench_topology", unit="config"):
         report.section("rows", report.record["rows"] + time_config(a.world_size, cfg))
-    print(report.write())
+    print(report.text)
     return 0
 
 

@@ -233,7 +233,7 @@ def main():
             "rows", report.record["rows"] + [{"variant": name, "max_rel_err_s1024_u2": err, "memory": memory}]
         )
         print(f"[bench_variants] {name:>24}: max rel error vs float64 (s=1024, ulysses 2) {err:.1e}", flush=True)
-    print(report.write())
+    print(report.text)
     if a.plot:
         plot(report.record, a.plot)
 

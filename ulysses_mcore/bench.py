@@ -7,8 +7,9 @@ runner, one report writer, one progress display.
 * :class:`Report` -- a benchmark's record as ``STEM.json`` (the measurements: what the tables and
   plots are made from), ``STEM.md`` (``render(record)``) and, where the script draws one,
   ``STEM.png`` (``plot(record, path)``), all rewritten after each section, so a run cut short
-  keeps what it finished.  :func:`rerender` makes the Markdown and the plot again from a committed
-  JSON alone (the tests hold every committed table to it).
+  keeps what it finished; ``text`` is the table last written (what a script prints at the end).
+  :func:`rerender` makes the Markdown again from a committed JSON alone (the tests hold every
+  committed table to it).
 * :func:`progress` -- tqdm's bar on stderr (a maintained library; plain lines when stderr is not a
   terminal, so logs stay readable).
 
@@ -89,6 +90,7 @@ class Report:
         self.base = os.path.join(out, stem)
         self.render, self.plot = render, plot
         self.record: Dict = dict(record or {})
+        self.text = ""  # the Markdown last written
         os.makedirs(out or ".", exist_ok=True)
 
     def section(self, key: str, value) -> None:
@@ -112,10 +114,10 @@ class Report:
     def write(self) -> str:
         """Rewrite ``STEM.json``, ``STEM.md`` and ``STEM.png`` (atomic per file); return the Markdown."""
         _atomic(self.base + ".json", json.dumps(self.record, indent=1))
-        text = self.render(self.record)
-        _atomic(self.base + ".md", text)
+        self.text = self.render(self.record)
+        _atomic(self.base + ".md", self.text)
         _plot_safely(self.plot, self.record, self.base + ".png")
-        return text
+        return self.text
 
 
 def _atomic(path: str, text: str) -> None:

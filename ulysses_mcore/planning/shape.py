@@ -9,7 +9,7 @@ no Megatron.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional
 
 
@@ -56,9 +56,6 @@ class ModelShape:
     def keywords(self) -> Dict:
         """The fields by name (the memory model's keywords)."""
         return asdict(self)
-
-    def with_(self, **changes) -> ModelShape:
-        return replace(self, **changes)
 
     def flags(self) -> List[str]:
         """The trainer's flags of this shape (the vocabulary comes from the tokenizer, not a flag)."""

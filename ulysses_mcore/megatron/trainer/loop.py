@@ -34,21 +34,10 @@ def release(run) -> None:
     dist.destroy_process_group()
 
 
-class RunState:
-    """One run's state: when it started, whether SIGTERM came, the iteration reached (for the
-    error message of a failure), and the parts the steps below build and advance."""
-
-    def __init__(self):
-        self.started = time.time()
-        self.groups = None  # --dynamic-ulysses: every degree's groups (megatron.dynamic.DynamicGroups)
-        self.signalled = False
-        self.iteration = 0
-        self.consumed = 0
-
-
-def train(args, topo, use_cuda, run: RunState):
+def train(args, topo, use_cuda, run):
     """Megatron-LM's pretraining loop in named steps: start-up, data, model, resume, then
-    iterations (train step, log, evaluate, save, exit checks)."""
+    iterations (train step, log, evaluate, save, exit checks); ``run``: the entry's
+    :class:`~ulysses_mcore.megatron.trainer.pretrain.RunState`, advanced here."""
     run.groups = _initialize(args, topo)
     if args.load:  # every check of the checkpoint before any work: the same error on every rank
         checkpoint = inspect_checkpoint(args)
@@ -211,7 +200,7 @@ def _evaluate(args, run, data, model, log):
         log.row(run.iteration, run.consumed, f"{val:.8e}", "", "", "", "", "", "valid")
 
 
-def _exit_reason(args, run: RunState):
+def _exit_reason(args, run):
     """Megatron-LM's exits, agreed by every rank: SIGTERM seen by any rank (--exit-signal-handler),
     time up on any rank (--exit-duration-in-mins): one all-reduce per iteration, only with those
     flags; --exit-interval needs none."""

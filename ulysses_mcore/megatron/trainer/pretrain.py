@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 import traceback
 from datetime import timedelta
 
@@ -35,6 +36,7 @@ from ulysses_mcore.megatron.trainer.parser import build_parser
 
 # ------------------------------------------------------------------------ main
 def main(argv=None):
+    run = RunState()
     args = build_parser(__doc__).parse_args(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
@@ -43,6 +45,8 @@ def main(argv=None):
     except ValueError as e:  # every rank runs the same checks: every rank exits here, no collective yet
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.exit_signal_handler:  # Megatron-LM's: note SIGTERM, act on it at the end of the iteration
+        signal.signal(signal.SIGTERM, lambda signum, frame: setattr(run, "signalled", True))
     lifetime.children_die_with_this_process()  # a killed rank takes what it forked with it
 
     use_cuda = torch.cuda.is_available()
@@ -58,9 +62,6 @@ def main(argv=None):
     # Megatron is imported only now (1.7 s of start-up): --help and a bad flag answer without it
     from ulysses_mcore.megatron.trainer import loop
 
-    run = loop.RunState()
-    if args.exit_signal_handler:  # Megatron-LM's: note SIGTERM, act on it at the end of the iteration
-        signal.signal(signal.SIGTERM, lambda signum, frame: setattr(run, "signalled", True))
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(minutes=args.distributed_timeout_minutes))
     try:
         return loop.train(args, topo, use_cuda, run)
@@ -92,6 +93,18 @@ def main(argv=None):
         return 1
     finally:
         loop.release(run)
+
+
+class RunState:
+    """One run's state: when it started, whether SIGTERM came, the iteration reached (for the
+    error message of a failure), and the groups --dynamic-ulysses builds: what the loop advances."""
+
+    def __init__(self):
+        self.started = time.time()
+        self.groups = None  # --dynamic-ulysses: every degree's groups (megatron.dynamic.DynamicGroups)
+        self.signalled = False
+        self.iteration = 0
+        self.consumed = 0
 
 
 if __name__ == "__main__":
