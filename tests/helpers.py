@@ -378,6 +378,10 @@ def run_ranks(n, args, cwd, *, script, timeout=120):
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
-            raise AssertionError(f"a rank did not exit within {timeout}s") from None
+            tails = [q.communicate()[1][-1500:] for q in procs]  # where each rank was: its stderr's tail
+            raise AssertionError(
+                f"a rank did not exit within {timeout}s; "
+                + "; ".join(f"rank {r}'s stderr ends: {t!r}" for r, t in enumerate(tails))
+            ) from None
         out.append((p.returncode, o, e))
     return out

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from tests import helpers
-from tests.helpers import free_port, run_threaded
+from tests.helpers import run_threaded
 from ulysses_mcore.topology import Topology, TopologyError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -450,7 +450,7 @@ def world(assets, tmp_path_factory):
         argv = SMALL + ["--data-path", prefix] + [a.format(d=d, p=prefix, k=k, t=tiny) for a in argv]
         if "--log-dir" not in argv:
             argv += ["--log-dir", str(d / "log" / name.replace(" ", "_"))]
-        cases.append({"name": name, "argv": argv, "port": free_port()})
+        cases.append({"name": name, "argv": argv})
     (d / "cases.json").write_text(json.dumps(cases))
     out = d / "world_out"
     out.mkdir()

@@ -15,7 +15,7 @@ import re
 
 import pytest
 
-from tests.helpers import free_port, run_ranks
+from tests.helpers import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = os.path.join(ROOT, "tests", "pretrain_cases.py")
@@ -59,7 +59,7 @@ def _world(n, cases, d, prefix):
     listed = []
     for name, argv in cases.items():
         argv = SMALL + ["--data-path", prefix, "--log-dir", str(d / name)] + [a.format(d=d) for a in argv]
-        case = {"name": name, "argv": argv, "port": free_port()}
+        case = {"name": name, "argv": argv}
         if "--load" in argv:  # resume at iteration 5 of the 10 the saving run kept
             ckpt = argv[argv.index("--load") + 1]
             case["write"] = {os.path.join(ckpt, "latest_checkpointed_iteration.txt"): "5"}
