@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from ulysses_mcore.cli import scaling, sweep
+from ulysses_mcore.cli import fit, scaling, sweep
 from ulysses_mcore.planning.step_time import Run
 from ulysses_mcore.topology import Topology
 
@@ -16,29 +16,73 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.spawn
-def test_two_layout_sweep_measures_resumes_and_fits(tmp_path):
+def test_two_layout_sweep_over_two_lengths_measures_resumes_calibrates_and_predicts(tmp_path, capsys):
+    """A real sweep of 2 layouts at 256 and 512 tokens (one row each), resumed, fitted into a
+    calibration, and predict on that calibration: a line per layout naming it, its tokens/s per GPU
+    and how far it extrapolates; the prediction at a calibrated length matches the fit's own."""
     out = str(tmp_path / "sweep")
-    argv = ["sweep", "--world", "2", "--out", out, "--iters", "3", "--warmup", "1"]
+    argv = ["sweep", "--world", "2", "--out", out, "--iters", "3", "--warmup", "1", "--seq-length", "256,512"]
     argv += ["--layouts", "tp1-u2-cp1-pp1-dp1,tp2-u1-cp1-pp1-dp1"]
     assert scaling.main(argv) == 0
     with open(os.path.join(out, "sweep.json")) as f:
         rec = json.load(f)
     rows = rec["rows"]
-    assert sorted(rows) == ["tp1-u2-cp1-pp1-dp1", "tp2-u1-cp1-pp1-dp1"]
-    u2, tp2 = rows["tp1-u2-cp1-pp1-dp1"], rows["tp2-u1-cp1-pp1-dp1"]
-    for r in (u2, tp2):
+    assert rec["settings"]["seq_length"] == [256, 512]
+    assert sorted(rows) == [f"{n}@{s}" for n in ("tp1-u2-cp1-pp1-dp1", "tp2-u1-cp1-pp1-dp1") for s in (256, 512)]
+    for key, r in rows.items():
+        assert key == f"{r['layout']}@{r['seq_length']}"
         assert r["tokens_per_s"] > 0 and r["step_s"] > 0 and r["attention_s"] > 0 and r["mlp_s"] > 0
         assert r["optimizer_s"] > 0 and r["peak_gb"] > 0
         assert sum(r[f"{p}_s"] for p in sweep.PHASES) < r["step_s"]  # phases are parts of the step
-    assert u2["a2a_s"] > 0 and u2["a2a_bytes"] > 0 and tp2["a2a_bytes"] == 0  # only Ulysses exchanges
+        assert (r["a2a_bytes"] > 0) == (r["layout"] == "tp1-u2-cp1-pp1-dp1")  # only Ulysses exchanges
+    u2 = [rows[f"tp1-u2-cp1-pp1-dp1@{s}"]["a2a_bytes"] for s in (256, 512)]
+    assert u2[1] == pytest.approx(2 * u2[0], rel=1e-6)  # bytes grow with the length
     assert os.path.exists(os.path.join(out, "sweep.md")) and os.path.exists(os.path.join(out, "sweep.png"))
-    before = os.path.getmtime(os.path.join(out, "tp1-u2-cp1-pp1-dp1", "metrics.csv"))
+    before = os.path.getmtime(os.path.join(out, "tp1-u2-cp1-pp1-dp1@512", "metrics.csv"))
     assert scaling.main(argv) == 0  # resumed: nothing runs again
-    assert os.path.getmtime(os.path.join(out, "tp1-u2-cp1-pp1-dp1", "metrics.csv")) == before
-    ev = scaling.evaluate(list(rows.values()), Run("tiny", 512, 1, 4))
-    assert ev["in_sample_max_err"] < 0.15  # the model reproduces the runs it was calibrated on
-    with pytest.raises(SystemExit, match="sweep of other settings .*seq_length 512 there vs 256 now"):
+    assert os.path.getmtime(os.path.join(out, "tp1-u2-cp1-pp1-dp1@512", "metrics.csv")) == before
+    with pytest.raises(SystemExit, match="sweep of other settings .*seq_length \\[256, 512\\] there vs 256 now"):
         scaling.main(["sweep", "--world", "2", "--out", out, "--seq-length", "256", "--layouts", "tp1-u2-cp1-pp1-dp1"])
+
+    capsys.readouterr()
+    assert scaling.main(["fit", "--out", out]) == 0
+    with open(os.path.join(out, "calibration.json")) as f:
+        cal = json.load(f)
+    assert cal["lengths"] == [256, 512] and cal["worlds"] == [2] and cal["model"] == "tiny"
+    assert cal["in_sample_max_err"] < 0.15  # the model reproduces the runs it was calibrated on
+    ev = fit.evaluate([dict(r) for r in rows.values()], Run("tiny", 256, 1, 4))
+    assert [n for n, *_ in ev["in_sample"]] == sorted(rows)
+    capsys.readouterr()
+    cal_path = os.path.join(out, "calibration.json")
+    assert (
+        scaling.main(["predict", "--calibration", cal_path, "--model", "tiny", "--seq-length", "512"] + ["--gpus", "2"])
+        == 0
+    )
+    lines = capsys.readouterr().out.splitlines()
+    for n in ("tp1-u2-cp1-pp1-dp1", "tp2-u1-cp1-pp1-dp1"):
+        line = next(ln for ln in lines if n in ln)
+        assert "tokens/s per GPU" in line and "inside the calibration" in line, line
+        measured = rows[f"{n}@512"]["step_s"]
+        predicted = {k: p for k, _, p in ev["in_sample"]}[f"{n}@512"]
+        assert f"step {predicted:.2f} s" in line and abs(predicted - measured) / measured < 0.15
+    assert (
+        scaling.main(["predict", "--calibration", cal_path, "--model", "tiny", "--seq-length", "2048", "--gpus", "4"])
+        == 0
+    )
+    far = capsys.readouterr().out
+    assert "extrapolates 4.0x beyond the calibrated lengths 256,512 and 2x the largest calibrated world 2" in far
+
+
+def test_calibration_files_that_cannot_be_read_are_named(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    for path, needle in ((tmp_path / "none.json", "no such file"), (bad, "not a calibration")):
+        with pytest.raises(SystemExit, match=f"--calibration {path}: {needle}.*ulysses-mcore fit --out DIR"):
+            scaling.main(
+                ["predict", "--calibration", str(path), "--model", "tiny", "--seq-length", "512", "--gpus", "2"]
+            )
+    with pytest.raises(SystemExit):
+        scaling.main(["sweep", "--world", "2", "--out", str(tmp_path), "--seq-length", "512,x"])
 
 
 def test_bad_layouts_are_named():
@@ -72,4 +116,4 @@ def test_predict_cli_prints_the_best_layouts():
         timeout=120,
     )
     assert r.returncode == 0, r.stderr
-    assert "    8 GPUs" in r.stdout and "   64 GPUs" in r.stdout and "tokens/s/GPU" in r.stdout
+    assert "    8 GPUs" in r.stdout and "   64 GPUs" in r.stdout and "tokens/s per GPU" in r.stdout

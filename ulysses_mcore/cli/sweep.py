@@ -10,6 +10,7 @@ again), ``OUT/sweep.md`` and ``OUT/sweep.png``, rewritten after every layout
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -122,13 +123,14 @@ def _command(a, run: Run, lay: Topology, log_dir: str):
     return torchrun + ["-m", "ulysses_mcore.megatron.trainer.pretrain", *flags], os.environ.get("PYTHONPATH", "")
 
 
-def run_layout(a, run: Run, lay: Topology, index: int, count: int) -> dict:
-    """One training run of ``lay``; its row.  Shows a progress bar of its iterations."""
-    log_dir = os.path.join(a.out, lay.name)
+def run_layout(a, run: Run, lay: Topology, index: int, count: int, key: str = "") -> dict:
+    """One training run of ``lay``; its row (timings in ``OUT/key``, the layout's name by default).
+    Shows a progress bar of its iterations."""
+    log_dir = os.path.join(a.out, key or lay.name)
     cmd, pythonpath = _command(a, run, lay, log_dir)
     env = dict(os.environ, PYTHONPATH=pythonpath, OMP_NUM_THREADS="1")
     t0, lines = time.time(), []
-    bar = progress(None, total=a.iters, desc=f"({index}/{count}) {lay.name}", unit="iter")
+    bar = progress(None, total=a.iters, desc=f"({index}/{count}) {key or lay.name}", unit="iter")
     with subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
     ) as proc:
@@ -140,12 +142,12 @@ def run_layout(a, run: Run, lay: Topology, index: int, count: int) -> dict:
         rc = proc.wait()
     bar.close()
     print(
-        f"  ({index}/{count}) {lay.name:26s} {'done' if rc == 0 else f'FAILED (exit {rc})'} in {time.time() - t0:.0f} s",
+        f"  ({index}/{count}) {key or lay.name:26s} {'done' if rc == 0 else f'FAILED (exit {rc})'} in {time.time() - t0:.0f} s",
         flush=True,
     )
     if rc != 0:
         errors = [ln for ln in lines if re.search(r"\w*Error\b|^error:", ln)][:5]  # the cause, then the tail
-        return {"layout": lay.name, "error": "".join(errors + ["...\n"] + lines[-20:])}
+        return {"layout": lay.name, "seq_length": run.seq_length, "error": "".join(errors + ["...\n"] + lines[-20:])}
     return _row(a, run, lay, "".join(lines), log_dir)
 
 
@@ -165,6 +167,7 @@ def _row(a, run: Run, lay: Topology, text: str, log_dir: str) -> dict:
     step = statistics.median(ms for _, ms, _ in its) / 1e3
     row = {
         "layout": lay.name,
+        "seq_length": run.seq_length,
         "world": lay.world_size,
         "step_s": step,
         "tokens_per_s": run.global_batch_size * run.seq_length / step,
@@ -212,8 +215,25 @@ def runnable_by_megatron_lm(layouts, dropped: dict, on_gpu: bool):
     return keep
 
 
-def cmd_sweep(a) -> int:
-    run = Run(a.model, a.seq_length, a.micro_batch_size, a.global_batch_size)
+def lengths_of(text: str):
+    """``--seq-length 512,1024``: the lengths, in the order given (argparse's type)."""
+    try:
+        lengths = [int(x) for x in str(text).split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a length or a comma list of them (512,1024)") from None
+    if any(n < 1 for n in lengths) or len(set(lengths)) != len(lengths):
+        raise argparse.ArgumentTypeError(f"{text!r}: lengths must be positive and distinct")
+    return lengths
+
+
+def row_key(lay: Topology, seq: int, lengths) -> str:
+    """A row's key in ``sweep.json``: the layout's name, with ``@length`` in a sweep of several lengths."""
+    return lay.name if len(lengths) == 1 else f"{lay.name}@{seq}"
+
+
+def _layouts_at(a, run: Run):
+    """(the layouts to run at ``run``'s length, {dropped: reason}) -- refused by name where ``--layouts``
+    asks for one that cannot run."""
     try:
         layouts, dropped = enumerate_layouts(a.world, run, a.budget_gb, accepts=layout_problem)
     except ValueError as e:
@@ -227,43 +247,65 @@ def cmd_sweep(a) -> int:
         bad = [w.name for w in wanted if w not in layouts]
         if bad:
             why = "; ".join(f"{n}: {dropped.get(n, f'not a layout of {a.world} ranks')}" for n in bad)
-            raise SystemExit(f"error: --layouts {','.join(bad)} cannot run: {why}")
+            raise SystemExit(f"error: --layouts {','.join(bad)} cannot run at {run.seq_length} tokens: {why}")
         layouts = wanted
-    rec = open_sweep(a.out, _settings(a, run))
+    return layouts, dropped
+
+
+def cmd_sweep(a) -> int:
+    lengths = a.seq_length if isinstance(a.seq_length, list) else [a.seq_length]
+    runs = [Run(a.model, seq, a.micro_batch_size, a.global_batch_size) for seq in lengths]
+    plans, dropped = [], {}
+    for run in runs:  # every length checked before anything runs
+        layouts, gone = _layouts_at(a, run)
+        plans += [(run, lay) for lay in layouts]
+        dropped.update({row_key(Topology.parse(n), run.seq_length, lengths): why for n, why in gone.items()})
+    settings = _settings(a, runs[0])
+    settings["seq_length"] = lengths[0] if len(lengths) == 1 else lengths
+    rec = open_sweep(a.out, settings)
     report = Report(a.out, "sweep", render, plot, record=rec)
-    todo = [lay for lay in layouts if lay.name not in rec["rows"] or "error" in rec["rows"][lay.name]]
+    keys = [row_key(lay, run.seq_length, lengths) for run, lay in plans]
+    todo = [(k, p) for k, p in zip(keys, plans) if "error" in rec["rows"].get(k, {"error": "not run"})]
     print(
-        f"sweep: {len(layouts)} layouts of {a.world} ranks for {a.model} at {a.seq_length} tokens "
-        f"({len(layouts) - len(todo)} measured before, {len(dropped)} dropped)",
+        f"sweep: {len(plans)} runs ({len(lengths)} lengths) of {a.world} ranks for {a.model} at "
+        f"{','.join(map(str, lengths))} tokens ({len(plans) - len(todo)} measured before, {len(dropped)} dropped)",
         flush=True,
     )
-    for i, lay in enumerate(todo, 1):
-        rec["rows"][lay.name] = run_layout(a, run, lay, i, len(todo))
+    for i, (key, (run, lay)) in enumerate(todo, 1):
+        rec["rows"][key] = run_layout(a, run, lay, i, len(todo), key)
         report.section("rows", rec["rows"])  # resumable: every finished layout is on disk, its table and plot
     report.section("dropped", dropped)
     return 1 if any("error" in r for r in rec["rows"].values()) else 0
 
 
 def render(rec: dict) -> str:
-    """The sweep's table, fastest layout first (``OUT/sweep.md``)."""
-    rows = sorted((r for r in rec["rows"].values() if "error" not in r), key=lambda r: -r["tokens_per_s"])
+    """The sweep's table, fastest layout first (``OUT/sweep.md``); one table per length."""
     s = rec["settings"]
+    lengths = s["seq_length"] if isinstance(s["seq_length"], list) else [s["seq_length"]]
     lines = [
-        f"Sweep: {s['model']} at {s['seq_length']} tokens, global batch {s['global_batch_size']}, "
+        f"Sweep: {s['model']} at {','.join(map(str, lengths))} tokens, global batch {s['global_batch_size']}, "
         f"{s['world']} ranks ({s['runner']}); medians of the steady-state iterations, phases the slowest rank's.",
-        "",
+    ]
+    for seq in lengths:
+        rows = [r for r in rec["rows"].values() if "error" not in r and r.get("seq_length", seq) == seq]
+        lines += [""] + ([f"At {seq} tokens:", ""] if len(lengths) > 1 else []) + _table(rows)
+    return "\n".join(lines) + "\n"
+
+
+def _table(rows) -> list:
+    lines = [
         "| layout | tokens/s | step ms | a2a ms | ring ms | attention ms | MLP ms | optimizer ms | "
         "a2a MB / rank | ring MB / rank | peak GB (plan) |",
         "|---" * 11 + "|",
     ]
-    for r in rows:
+    for r in sorted(rows, key=lambda r: -r["tokens_per_s"]):
         ph = " | ".join("-" if r.get(p + "_s") is None else f"{r[p + '_s'] * 1e3:.1f}" for p in PHASES)  # untimed: -
         lines.append(
             f"| {r['layout']} | {r['tokens_per_s']:.0f} | {r['step_s'] * 1e3:.0f} | {ph} | "
             f"{_mb(r.get('a2a_bytes'))} | {_mb(r.get('ring_bytes'))} | "
             f"{'-' if r['peak_gb'] is None else format(r['peak_gb'], '.2f')} ({r['plan_peak_gb']:.2f}) |"
         )
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def _mb(nbytes) -> str:
@@ -276,8 +318,9 @@ def plot(rec: dict, path: str) -> None:
 
     rows = sorted((r for r in rec["rows"].values() if "error" not in r), key=lambda r: -r["tokens_per_s"])
     s = rec["settings"]
+    several = isinstance(s["seq_length"], list)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 0.35 * len(rows) + 1.5), sharey=True)
-    names = [r["layout"] for r in rows][::-1]
+    names = [f"{r['layout']} @{r['seq_length']}" if several else r["layout"] for r in rows][::-1]
     ax1.barh(names, [r["tokens_per_s"] for r in rows][::-1], color="tab:blue")
     ax1.set_xlabel("tokens / s")
     ax2.barh(names, [r["peak_gb"] or 0 for r in rows][::-1], color="tab:orange")

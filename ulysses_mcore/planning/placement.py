@@ -33,7 +33,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from .shape import ModelShape
 
@@ -46,46 +46,57 @@ class PlacementError(ValueError):
 class Costs:
     """Seconds per unit of work on one rank: ``token`` per token (linear layers, logits, norms),
     ``pair`` per causal (query, key) pair of a document (attention), ``exchanged`` per token an
-    all-to-all moves off the rank (``(d - 1) / d`` of a cell's tokens), ``cell`` per micro-batch
-    (host work per layer), ``messages`` per micro-batch with an exchange (its all-to-alls' latency)."""
+    all-to-all moves off the rank (``(d - 1) / d`` of a cell's tokens) inside a node,
+    ``exchanged_inter`` the same across nodes (a cell of more ranks than ``gpus_per_node``: aligned
+    blocks of a power-of-two degree span nodes exactly then), ``cell`` per micro-batch (host work per
+    layer, the micro-batch's own), ``messages`` per micro-batch with an exchange (its all-to-alls'
+    latency)."""
 
     token: float = 1.0
     pair: float = 0.0
     exchanged: float = 0.0
     cell: float = 0.0
     messages: float = 0.0
+    exchanged_inter: Optional[float] = None  # None: as inside a node
+    gpus_per_node: Optional[int] = None  # None: one node holds every rank
 
     @classmethod
-    def from_rates(cls, rates: Dict[str, Dict[str, float]], model: ModelShape, *, dtype_bytes: int = 4):
-        """From the step-time model's rates (``ulysses-mcore fit``'s ``fit.json`` ``"rates"``, or
-        :func:`ulysses_mcore.planning.step_time.gpu_rates` of a preset): the same phases, per document."""
-        flops, layers = _flops(model), model.num_layers
-        rest, a2a = rates.get("rest", {}), rates.get("a2a", {})
+    def from_rates(
+        cls,
+        rates: Dict[str, Dict[str, float]],
+        model: ModelShape,
+        *,
+        dtype_bytes: int = 4,
+        gpus_per_node: Optional[int] = None,
+    ):
+        """From the step-time model's rates (a calibration's ``"rates"``, ``ulysses-mcore fit``, or
+        :func:`ulysses_mcore.planning.step_time.gpu_rates` of a preset): the same phases and the same
+        counts (:meth:`ModelShape.work`), per document; 3 passes (forward, backward twice)."""
+        w, layers = model.work(), model.num_layers
+        attn, mlp, rest, a2a = (rates.get(p, {}) for p in ("attention", "mlp", "rest", "a2a"))
+        calls = sum(r.get("layer_calls", 0.0) for r in (attn, mlp, rest))
+        moved = 2 * w["exchanged"] * layers * dtype_bytes  # forward and backward
         return cls(
-            token=rates["mlp"]["mlp_flops"] * flops["mlp"] + rest.get("other_flops", 0.0) * flops["other"],
-            pair=rates["attention"]["attn_flops"] * flops["pair"],
-            exchanged=a2a.get("a2a_bytes_intra", 0.0) * flops["moved"] * dtype_bytes,
-            cell=rest.get("layer_calls", 0.0) * layers,
+            token=3 * layers * (mlp.get("mlp_flops", 0.0) * w["mlp"] + rest.get("other_flops", 0.0) * w["projections"])
+            + 3 * rest.get("other_flops", 0.0) * w["logits"]
+            + 3 * layers * (rest.get("tokens", 0.0) + attn.get("attn_rows", 0.0) * model.num_attention_heads),
+            pair=3 * layers * attn.get("attn_flops", 0.0) * w["attention"],
+            exchanged=a2a.get("a2a_bytes_intra", 0.0) * moved,
+            exchanged_inter=a2a.get("a2a_bytes_inter", a2a.get("a2a_bytes_intra", 0.0)) * moved,
+            cell=calls * layers + rest.get("micro_batches", 0.0),
             messages=a2a.get("a2a_msgs", 0.0) * 4 * layers,
+            gpus_per_node=gpus_per_node,
         )
 
     def document(self, length: int, ulysses: int) -> float:
         """One rank's share of a document's work at ``ulysses``."""
         pairs = length * (length + 1) / 2
         work = self.token * length + self.pair * pairs
-        return (work + (self.exchanged * length * (ulysses - 1) / ulysses if ulysses > 1 else 0.0)) / ulysses
-
-
-def _flops(model: ModelShape) -> Dict[str, float]:
-    """Per token (``mlp``, ``other``: forward + backward) and per causal pair (``pair``) FLOPs of a
-    model, and the elements an all-to-all moves per exchanged token (``moved``, forward + backward)."""
-    h, layers, ffn, kv = model.hidden_size, model.num_layers, model.ffn_hidden_size, model.kv_hidden
-    return {
-        "mlp": 6 * layers * (3 if model.swiglu else 2) * h * ffn,
-        "other": 6 * layers * (h * (h + 2 * kv) + h * h) + 6 * h * model.vocab_size,
-        "pair": 3 * 4 * h * layers,  # q.k and p.v, every head; x3 for the backward
-        "moved": 2 * (2 * h + 2 * kv) * layers,
-    }
+        if ulysses > 1:
+            across = self.gpus_per_node is not None and ulysses > self.gpus_per_node
+            rate = self.exchanged_inter if across and self.exchanged_inter is not None else self.exchanged
+            work += rate * length * (ulysses - 1) / ulysses
+        return work / ulysses
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,22 @@ class ModelShape:
         """Width of k (or v): the query groups' share of the hidden size."""
         return self.hidden_size * self.num_query_groups // self.num_attention_heads
 
+    def work(self) -> Dict[str, float]:
+        """What one layer does, counted once for every cost (the step-time model's features, the
+        dynamic placement's costs): forward FLOPs per token of the MLP (``mlp``) and of the QKV and
+        output projections (``projections``), per causal (query, key) pair of a document
+        (``attention``: q.k and p.v over every head), of the output layer per token (``logits``,
+        once, not per layer), and the elements its all-to-alls move per token (``exchanged``: q, k, v
+        to the heads, the output back).  The backward is twice the forward."""
+        h, q_width, kv = self.hidden_size, self.num_attention_heads * self.head_dim, self.kv_hidden
+        return {
+            "mlp": 2 * h * self.ffn_hidden_size * (3 if self.swiglu else 2),
+            "projections": 2 * (h * (q_width + 2 * kv) + q_width * h),
+            "attention": 4 * q_width,
+            "logits": 2 * h * self.vocab_size,
+            "exchanged": 2 * q_width + 2 * kv,
+        }
+
     def keywords(self) -> Dict:
         """The fields by name (the memory model's keywords)."""
         return asdict(self)

@@ -28,7 +28,7 @@ the ring's shifts are waited on before the next block on CPU/gloo).
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import numpy as np
@@ -143,24 +143,29 @@ def memory_gb(run: Run, lay: Topology) -> float:
 
 # --------------------------------------------------------------------------- features
 def features(run: Run, lay: Topology, gpus_per_node: Optional[int] = None) -> Dict[str, float]:
-    """Per rank, per step: the counts each phase's time is proportional to (see the module docstring)."""
-    c = run.shape
-    L, h, V = c.num_layers / lay.pp, c.hidden_size, c.vocab_size
-    heads, groups, ffn = c.num_attention_heads, c.num_query_groups, c.ffn_hidden_size
-    d, S, b = h // heads, run.seq_length, run.micro_batch_size
+    """Per rank, per step: the counts each phase's time is proportional to (see the module docstring).
+    FLOPs from :meth:`ModelShape.work`, bytes from the memory model: counted once for every cost."""
+    c, work = run.shape, run.shape.work()
+    L, h = c.num_layers / lay.pp, c.hidden_size
+    S, b = run.seq_length, run.micro_batch_size
     m = run.global_batch_size // (b * lay.dp)  # micro-batches per rank per step
     tokens = S * b / (lay.ulysses * lay.cp)  # per rank per micro-batch
     act = 2 if run.bf16 else 4
     est = _estimate(run, lay)
     passes = 4 if run.recompute == "full" else 3  # forward + backward (2x), + the forward again under recompute
-    attn = passes * 4 * b * S * S * d * heads / (lay.tp * lay.ulysses * lay.cp) * 0.5 * L * m
-    mlp = passes * 2 * tokens * h * ffn * (3 if c.swiglu else 2) / lay.tp * L * m
-    other = passes * 2 * tokens * (h * (heads + 2 * groups) * d + heads * d * h) / lay.tp * L * m
-    other += 3 * 2 * tokens * h * V / lay.tp * m  # the output layer (last stage, not recomputed)
+    split = lay.tp * lay.ulysses * lay.cp  # the heads over tp x ulysses, the queries over cp
+    pairs = b * S * (S + 1) / 2  # causal (query, key) pairs of a micro-batch (one document a sample)
+    attn = passes * work["attention"] * pairs / split * L * m
+    mlp = passes * work["mlp"] * tokens / lay.tp * L * m
+    other = passes * work["projections"] * tokens / lay.tp * L * m
+    other += 3 * work["logits"] * tokens / lay.tp * m  # the output layer (last stage, not recomputed)
     f = {
         "attn_flops": attn,  # busy time of each phase: what the timers measure
+        "attn_rows": passes * b * S * c.num_attention_heads / split * L * m,  # per query row (softmax, tiles)
         "mlp_flops": mlp,
         "other_flops": other,
+        "tokens": passes * tokens * L * m,  # per token and layer, not a matmul (norms, activations, copies)
+        "micro_batches": float(m),  # per micro-batch (data, loss, schedule)
         "params": est["params_per_rank"],
         "layer_calls": L * m,  # host work per layer and micro-batch (kernel launches, Python)
         # idle time of a pipeline: (pp - 1) stage-slots of one micro-batch's work, not a phase's
@@ -188,14 +193,16 @@ def features(run: Run, lay: Topology, gpus_per_node: Optional[int] = None) -> Di
 
 # --------------------------------------------------------------------------- the model
 PHASE_TERMS = {  # measured phase -> the features its time is a non-negative combination of
-    "attention": ["attn_flops"],
-    "mlp": ["mlp_flops", "tp_mlp_bytes_intra", "tp_mlp_bytes_inter"],
+    "attention": ["attn_flops", "attn_rows", "layer_calls"],
+    "mlp": ["mlp_flops", "layer_calls", "tp_mlp_bytes_intra", "tp_mlp_bytes_inter"],
     "a2a": ["a2a_msgs", "a2a_bytes_intra", "a2a_bytes_inter"],
     "ring": ["ring_msgs", "ring_bytes_intra", "ring_bytes_inter"],
     "optimizer": ["params"],
     "rest": [
         "const",
+        "micro_batches",
         "other_flops",
+        "tokens",
         "layer_calls",
         "bubble_flops",
         "pp_bytes_intra",
@@ -220,15 +227,22 @@ def _nnls(A: np.ndarray, y: np.ndarray) -> np.ndarray:
     return coef
 
 
+def row_run(row: dict, run: Run) -> Run:
+    """The run a sweep's row measured: ``run`` at the row's own length (a sweep over several)."""
+    return replace(run, seq_length=row.get("seq_length", run.seq_length))
+
+
 def _row_features(row, run: Run, gpus_per_node=None) -> Dict[str, float]:
-    f = features(run, Topology.parse(row["layout"]), gpus_per_node)
+    f = features(row_run(row, run), Topology.parse(row["layout"]), gpus_per_node)
     f["const"] = 1.0
     return f
 
 
 def fit(rows: List[dict], run: Run, gpus_per_node: Optional[int] = None) -> Dict[str, Dict[str, float]]:
     """Rates per phase, by non-negative least squares of each measured phase time on its features
-    (``rest`` = step time less the measured phases).  Features are scaled to unit size first."""
+    (``rest`` = step time less the measured phases), over every row -- each at its own length (a
+    row's ``seq_length``, ``run``'s where it has none): one length cannot tell a fixed cost from a
+    per-token one, nor a per-token one from a per-pair one.  Features are scaled to unit size first."""
     feats = [_row_features(r, run, gpus_per_node) for r in rows]
     rates = {}
     for phase, terms in PHASE_TERMS.items():
