@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from ulysses_mcore.cli import plan
 from ulysses_mcore.planning.memory_model import estimate
 
@@ -22,3 +24,25 @@ def test_text_report(capsys):
     text = capsys.readouterr().out
     assert "per rank at seq 4096, tp 1 x ulysses 4 x cp 2 x pp 1:" in text
     assert "tokens per rank 512;" in text and "ring shifts" in text
+
+
+def test_budget_with_a_calibration_prices_each_longest_sequence(tmp_path, capsys):
+    """--calibration beside --budget-gb: each degree's longest sequence with its tokens/s per GPU by
+    the calibration's rates (the step-time model's prediction at that length) and how far it reaches."""
+    from ulysses_mcore.planning.calibration import Calibration
+    from ulysses_mcore.planning.shape import ModelShape
+    from ulysses_mcore.planning.step_time import PRESETS, Run, gpu_rates, predict
+    from ulysses_mcore.topology import Topology
+
+    rates = gpu_rates(PRESETS["h200"])
+    path = str(tmp_path / "calibration.json")
+    Calibration(rates, "tiny", 1, 2, [512, 1024], [2], ["tp1-u2-cp1-pp1-dp1"], 0.02).save(path)
+    assert plan.main([*FLAGS, "--budget-gb", "1", "--calibration", path, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for u, seq in out["longest_sequence"].items():
+        run = Run(ModelShape(4, 256, 8), seq, 1, 1)
+        want = seq / predict(rates, run, Topology.of(1, int(u), 1, 1, 1))["step_s"] / int(u)
+        tps, reach = out["tokens_per_s_per_gpu"][u]
+        assert tps == pytest.approx(want) and reach.startswith("extrapolates")
+    assert plan.main([*FLAGS, "--budget-gb", "1", "--calibration", path]) == 0
+    assert "tokens/s per GPU, extrapolates" in capsys.readouterr().out

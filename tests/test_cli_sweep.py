@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from ulysses_mcore import bench
-from ulysses_mcore.cli import fit, sweep
+from ulysses_mcore.cli import sweep
 from ulysses_mcore.megatron.trainer.arguments import layout_problem
 from ulysses_mcore.planning.step_time import Run, enumerate_layouts
 
@@ -27,10 +27,8 @@ def test_megatron_lm_sweeps_skip_rings_with_the_reason():
     assert sweep.runnable_by_megatron_lm(layouts, {}, on_gpu=True) == layouts
 
 
-def test_the_committed_sweep_and_fit_rerender_from_their_records_unchanged():
+def test_the_committed_sweep_rerenders_from_its_record_unchanged():
     assert bench.rerender(str(SWEEP), sweep.render) == SWEEP.with_suffix(".md").read_text()
-    record = SWEEP.with_name("fit")
-    assert bench.rerender(str(record), fit.render_fit) == record.with_suffix(".md").read_text()
 
 
 def test_a_folder_of_other_settings_is_refused(tmp_path):

@@ -70,6 +70,11 @@ CATALOGUE = [  # (pattern the command matches, "run" with its runner, or the rea
     (r"^(\.venv/bin/)?ulysses-mcore (plan|topology|predict) --", "run"),
     (r"^ulysses-mcore report --preset h200$", "run"),  # with --report into a temporary folder
     (r"^ulysses-mcore fit --out docs/perf/sweep_w4$", "run"),  # on a copy of the committed sweep
+    (r"^ulysses-mcore fit --out DIR", "a pattern (DIR: the calibration's folder), not a command"),
+    (
+        r"^ulysses-mcore fit --out runs/",
+        "fits the sweeps the lines before it measure (tests/test_cli_scaling.py fits one)",
+    ),
     (r"^ulysses-mcore preprocess --input corpus\.jsonl", "run"),  # on a small corpus.jsonl in a temporary folder
     (r"^\.venv/bin/torchrun --nproc-per-node 4 --no-python \.venv/bin/ulysses-mcore pretrain", "run"),  # 4 iterations
     (r"^python tools/profile_call\.py --world 2 --calls 300$", "run"),  # 20 calls

@@ -161,8 +161,8 @@ REFUSED = [
     ),
     (DYN + ["--attention-backend", "te"], "sdpa or flash"),
     (DYN + ["--dynamic-bucket", "0"], "--dynamic-bucket"),
-    (DYN + ["--dynamic-calibration", "/nonexistent/fit.json"], "cannot read it"),
-    (DYN + ["--dynamic-calibration", os.path.join(ROOT, "README.md")], "not a calibration"),
+    (DYN + ["--calibration", "/nonexistent/cal.json"], "--calibration /nonexistent/cal.json: no such file"),
+    (DYN + ["--dynamic-calibration", os.path.join(ROOT, "README.md")], "README.md: unreadable"),
 ]  # fmt: skip
 
 
@@ -197,6 +197,6 @@ def test_bucket_is_a_sixteenth_of_the_load_and_a_multiple_of_tp_under_sequence_p
             **{"dynamic_bucket": None, "sequence_parallel": False, "tensor_model_parallel_size": 1, **kw}
         )
 
-    assert bucket_of(args(), 1024) == 64 and bucket_of(args(dynamic_bucket=10), 1024) == 10
-    assert bucket_of(args(dynamic_bucket=10, sequence_parallel=True, tensor_model_parallel_size=4), 1024) == 20
-    assert bucket_of(args(sequence_parallel=True, tensor_model_parallel_size=8), 1000) == 504
+    assert bucket_of(args(), 1024) == (16, 1) and bucket_of(args(dynamic_bucket=10), 1024) == (10, 1)
+    assert bucket_of(args(dynamic_bucket=10, sequence_parallel=True, tensor_model_parallel_size=4), 1024) == (20, 4)
+    assert bucket_of(args(sequence_parallel=True, tensor_model_parallel_size=8), 1000) == (16, 8)

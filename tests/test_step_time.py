@@ -74,3 +74,57 @@ def test_fit_recovers_known_rates():
     rates = fit(rows, run)
     for lay in keep:
         assert predict(rates, run, lay)["step_s"] == pytest.approx(predict(true, run, lay)["step_s"], rel=1e-6)
+
+
+def _rows(rates, run, layouts, lengths):
+    """Sweep rows made from known ``rates``: every layout at every length, phases as measured."""
+    from dataclasses import replace
+
+    rows = []
+    for seq in lengths:
+        for lay in layouts:
+            p = predict(rates, replace(run, seq_length=seq), lay)
+            phases = {f"{k}_s": v for k, v in p.items() if k != "step_s"}
+            rows.append(dict(layout=lay.name, seq_length=seq, step_s=p["step_s"], **phases))
+    return rows
+
+
+def test_two_lengths_separate_fixed_per_token_and_per_pair_costs_one_length_cannot():
+    """Fitted on rows at 512 and 1024 tokens made from known rates, the model predicts 4096 exactly;
+    fitted at 1024 alone it cannot tell the per-pair cost from the per-token one and misses 4096."""
+    from ulysses_mcore.planning.step_time import PHASE_TERMS
+
+    run = Run("tiny", 512, 1, 4)
+    keep, _ = enumerate_layouts(2, run, accepts=layout_problem)
+    true = {p: dict.fromkeys(terms, 0.0) for p, terms in PHASE_TERMS.items()}
+    true["attention"].update(attn_flops=5e-11, attn_rows=2e-7, layer_calls=1e-4)
+    true["mlp"].update(mlp_flops=2e-11, layer_calls=5e-5)
+    true["a2a"].update(a2a_msgs=1e-4, a2a_bytes_intra=3e-9)
+    true["optimizer"].update(params=1e-8)
+    true["rest"].update(const=0.01, micro_batches=2e-3, other_flops=2e-11, tokens=1e-6, layer_calls=3e-4)
+    far = _rows(true, run, keep, [4096])
+    two = fit(_rows(true, run, keep, [512, 1024]), run)
+    one = fit(_rows(true, run, keep, [1024]), run)
+    for r in far:
+        lay, at = Topology.parse(r["layout"]), Run("tiny", 4096, 1, 4)
+        assert predict(two, at, lay)["step_s"] == pytest.approx(r["step_s"], rel=1e-6)
+    worst = max(
+        abs(predict(one, Run("tiny", 4096, 1, 4), Topology.parse(r["layout"]))["step_s"] / r["step_s"] - 1) for r in far
+    )
+    assert worst > 0.05, worst
+
+
+def test_the_placement_prices_a_document_with_the_step_models_counts():
+    """One document filling a micro-batch at degree U on U ranks: the placement's per-rank cost of its
+    attention pairs and of its exchange equals the step-time model's attention and all-to-all phases
+    for that layout (one count of FLOPs and bytes, two readers)."""
+    from ulysses_mcore.planning.placement import Costs
+    from ulysses_mcore.planning.shape import MODELS
+
+    rates = {"attention": {"attn_flops": 5e-11}, "a2a": {"a2a_bytes_intra": 3e-9}, "mlp": {}, "rest": {}}
+    for u in (2, 4):
+        run, lay = Run("tiny", 1024, 1, 1), Topology.of(1, u, 1, 1, 1)  # one micro-batch
+        p = predict({**rates, "ring": {}, "optimizer": {}}, run, lay)
+        c = Costs.from_rates(rates, MODELS["tiny"])
+        assert c.pair * 1024 * 1025 / 2 / u == pytest.approx(p["attention"], rel=1e-12)
+        assert c.exchanged * 1024 * (u - 1) / u / u == pytest.approx(p["a2a"], rel=1e-12)

@@ -23,6 +23,7 @@ import csv
 import glob
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -33,16 +34,21 @@ sys.path.insert(0, ROOT)
 
 from tools.bench_dynamic_report import plot, predict_gpus, render  # noqa: E402
 from ulysses_mcore.bench import Report, progress  # noqa: E402
+from ulysses_mcore.megatron.trainer.dynamic import CPU_RATES  # noqa: E402
+from ulysses_mcore.planning.placement import Costs  # noqa: E402
+from ulysses_mcore.planning.shape import ModelShape  # noqa: E402
 
 MODEL = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "8", "--num-query-groups", "4"]
 MIXES = {  # name -> the rule's parameters (ulysses_mcore.planning.mix)
     "heavy": dict(median=200, sigma=1.2, whole_every=25),  # a whole-sample document every 25th
     "light": dict(median=200, sigma=1.0, whole_every=100),  # a few whole-sample documents
 }
-MODES = {  # name -> flags beside the world's degree W
-    "fixed": lambda W: ["--ulysses-degree", str(W)],
-    "degree 1": lambda W: ["--ulysses-degree", "1"],
-    "dynamic": lambda W: ["--ulysses-degree", str(W), "--dynamic-ulysses"],
+MODES = {  # name -> (flags beside the world's degree W, k: the run's --seq-length / k, global batch x k)
+    "fixed": lambda W: (["--ulysses-degree", str(W)], 1),
+    "degree 1": lambda W: (["--ulysses-degree", "1"], 1),
+    "dynamic": lambda W: (["--ulysses-degree", str(W), "--dynamic-ulysses"], 1),
+    # the fixed degree's load a rank with no exchange: degree 1 at --seq-length / W, W x the samples
+    "equal memory": lambda W: (["--ulysses-degree", "1"], W),
 }
 
 
@@ -58,12 +64,20 @@ def make_mix(folder: str, seq: int, documents: int, mix: dict) -> str:
     return prefix
 
 
-def train(world: int, flags, a, prefix: str, log_dir: str) -> dict:
+def train(world: int, mode, a, prefix: str, log_dir: str) -> dict:
     """One training run under torchrun; its measurements."""
+    flags, k = mode
     bindir = os.path.dirname(sys.executable)
     cmd = [os.path.join(bindir, "torchrun"), "--nproc-per-node", str(world), "--no-python"]
     cmd += [os.path.join(bindir, "ulysses-mcore"), "pretrain", *MODEL, *flags, "--reset-attention-mask"]
-    cmd += ["--seq-length", str(a.seq_length), "--micro-batch-size", "1", "--global-batch-size", str(2 * world)]
+    cmd += [
+        "--seq-length",
+        str(a.seq_length // k),
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        str(2 * world * k),
+    ]
     cmd += ["--train-iters", str(a.iters), "--lr-warmup-iters", "1", "--data-path", prefix, "--split", "100,0,0"]
     cmd += ["--timing", "--log-dir", log_dir]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
@@ -82,27 +96,57 @@ def _timing(log_dir: str) -> list:
     return ranks
 
 
+def _schedule_counts(sched: list) -> dict:
+    """From the dynamic runs' schedule lines: the most micro-batches a rank ran, the mean pad share."""
+    found = [re.search(r"dynamic: (\d+)-(\d+) micro-batches a rank .*\| pad (\S+)% of tokens", ln) for ln in sched]
+    found = [m for m in found if m]
+    if not found:
+        return {"micro_batches_max": None, "pad_percent": None}
+    return {
+        "micro_batches_max": max(int(m[2]) for m in found),
+        "pad_percent": statistics.mean(float(m[3]) for m in found),
+    }
+
+
+def _per_step(ranks: list) -> dict:
+    """From every rank's timing records: the all-to-all bytes (all ranks) and seconds (the slowest
+    rank's) a step, and the busiest rank's CPU time over the mean, averaged over the steps."""
+    steps = range(len(ranks[0]))
+    busy = [max(r[i]["cpu_s"] for r in ranks) / statistics.mean(r[i]["cpu_s"] for r in ranks) for i in steps]
+    return {
+        "a2a_bytes_per_step": statistics.mean(sum(r[i]["a2a_bytes"] for r in ranks) for i in steps),
+        "a2a_s_per_step": statistics.mean(max(r[i]["a2a_s"] for r in ranks) for i in steps),
+        "busy_max_over_mean": statistics.mean(busy),
+    }
+
+
 def measure(log_dir: str, stdout: str) -> dict:
     with open(os.path.join(log_dir, "metrics.csv")) as f:
         rows = [x for x in csv.DictReader(f) if x["kind"] == "train"]
     ranks = _timing(log_dir)
-    steps = range(len(ranks[0]))
-    busy = [max(r[i]["cpu_s"] for r in ranks) / statistics.mean(r[i]["cpu_s"] for r in ranks) for i in steps]
     sched = [ln.strip() for ln in stdout.splitlines() if "dynamic:" in ln]
     return {
         "tokens_per_second": statistics.median(float(x["tokens_per_second"]) for x in rows[2:]),
-        "a2a_bytes_per_step": statistics.mean(sum(r[i]["a2a_bytes"] for r in ranks) for i in steps),
-        "busy_max_over_mean": statistics.mean(busy),
+        "step_s": statistics.median(float(x["ms_per_iter"]) for x in rows[2:]) / 1e3,
+        **_per_step(ranks),
+        **_schedule_counts(sched),
         "peak_gb": max(r[-1]["peak_gb"] for r in ranks),
         "losses": [float(x["lm_loss"]) for x in rows],
         "schedule": sched[-1] if sched else "",
     }
 
 
+def micro_batch_seconds() -> float:
+    """A micro-batch's own time on this machine for the benchmark's model: the trainer's CPU
+    calibration, as its placement prices it (what the gap's reachable share charges an extra one)."""
+    shape = ModelShape(num_layers=2, hidden_size=128, num_attention_heads=8, num_query_groups=4)
+    return Costs.from_rates(CPU_RATES, shape).cell
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worlds", default="2,4")
-    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--runs", type=int, default=5)
     p.add_argument("--seq-length", type=int, default=4096)
     p.add_argument("--iters", type=int, default=8)
     p.add_argument("--documents", type=int, default=1500)
@@ -111,7 +155,7 @@ def main(argv=None):
     a = p.parse_args(argv)
     work = tempfile.mkdtemp(prefix="bench_dynamic_")
     prefix = make_mix(work, a.seq_length, a.documents, MIXES[a.mix])
-    setup = dict(vars(a), rule=MIXES[a.mix], model=" ".join(MODEL))
+    setup = dict(vars(a), rule=MIXES[a.mix], model=" ".join(MODEL), micro_batch_s=micro_batch_seconds())
     record = {"setup": setup, "results": [], "gpus": predict_gpus(MIXES[a.mix])}
     report = Report(a.out, f"bench_dynamic_{a.mix}", render, plot, record=record)
     cases = [(w, run, mode) for w in (int(x) for x in a.worlds.split(",")) for run in range(a.runs) for mode in MODES]

@@ -33,7 +33,7 @@ def _summary(results: List[dict]) -> List[dict]:
     rows = []
     for world, run in sorted({(r["world"], r["run"]) for r in results}):
         by = {r["mode"]: r for r in results if r["world"] == world and r["run"] == run}
-        if len(by) < 3:  # a run still going
+        if len(by) < 3 or ("equal memory" in {x["mode"] for x in results} and len(by) < 4):  # a run still going
             continue
         fixed, one, dyn = by["fixed"], by["degree 1"], by["dynamic"]
         gap = one["tokens_per_second"] - fixed["tokens_per_second"]
@@ -61,17 +61,69 @@ def _table(rows: List[dict]) -> List[str]:
     return lines
 
 
+def _shares(r: dict, micro_batch_s: float) -> tuple:
+    """(the share of the gap from the fixed degree to the equal-memory reference that the dynamic run
+    closed, the share it could close at best): the best keeps the dynamic run's measured exchange and
+    pays its micro-batches beyond the fixed degree's at the calibrated cost of one."""
+    f, e, d = (r[m]["step_s"] for m in ("fixed", "equal memory", "dynamic"))
+    extra = max(0, (r["dynamic"]["micro_batches_max"] or 0) - 2 * r["world"])
+    best = e + r["dynamic"]["a2a_s_per_step"] + extra * micro_batch_s
+    gap = f - e
+    return ((f - d) / gap, (f - best) / gap) if gap > 0 else (float("nan"), float("nan"))
+
+
+def _table_equal(rows: List[dict], micro_batch_s: float) -> List[str]:
+    """Every run beside the equal-memory reference: the speed-up, micro-batches, pad, the gap's shares."""
+    lines = [
+        "| world | run | fixed tokens/s | dynamic | dynamic / fixed | equal memory | degree 1 | micro-batches a rank "
+        "(dyn, fixed) | pad | gap closed | gap reachable | peak GB fixed, dyn | loss rel. diff |",
+        "|---" * 13 + "|",
+    ]
+    for r in rows:
+        f, d, e, o = (r[m] for m in ("fixed", "dynamic", "equal memory", "degree 1"))
+        closed, reachable = _shares(r, micro_batch_s)
+        lines.append(
+            f"| {r['world']} | {r['run'] + 1} | {f['tokens_per_second']:.0f} | {d['tokens_per_second']:.0f} | "
+            f"{d['tokens_per_second'] / f['tokens_per_second']:.3f} | {e['tokens_per_second']:.0f} | "
+            f"{o['tokens_per_second']:.0f} | {d['micro_batches_max']}, {2 * r['world']} | {d['pad_percent']:.2f}% | "
+            f"{100 * closed:.0f}% | {100 * reachable:.0f}% | {f['peak_gb']:.2f}, {d['peak_gb']:.2f} | "
+            f"{r['loss_rel_diff']:.1e} |"
+        )
+    for world in sorted({r["world"] for r in rows}):
+        ratios = [
+            r["dynamic"]["tokens_per_second"] / r["fixed"]["tokens_per_second"] for r in rows if r["world"] == world
+        ]
+        lines += [
+            "",
+            f"world {world}: dynamic / fixed {statistics.median(ratios):.3f} median of {len(ratios)} interleaved runs "
+            f"(spread {min(ratios):.3f}-{max(ratios):.3f})",
+        ]
+    return lines
+
+
+def _bars(ax, rows: List[dict]) -> List[int]:
+    """Per world, every mode's median tokens/s over the runs, the spread as error bars; the worlds."""
+    modes = [m for m in ("fixed", "degree 1", "dynamic", "equal memory") if rows and all(m in r for r in rows)]
+    width = 0.8 / max(1, len(modes))
+    worlds = sorted({r["world"] for r in rows})
+    for i, mode in enumerate(modes):
+        per = [[r[mode]["tokens_per_second"] for r in rows if r["world"] == w] for w in worlds]
+        mid = [statistics.median(v) for v in per]
+        xs = [x + (i - (len(modes) - 1) / 2) * width for x in range(len(worlds))]
+        ax.bar(xs, mid, width=width, label=mode)
+        spread = [[m - min(v) for m, v in zip(mid, per)], [max(v) - m for m, v in zip(mid, per)]]
+        ax.errorbar(xs, mid, yerr=spread, fmt="none", color="k", capsize=3)
+    return worlds
+
+
 def plot(rec: Dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     rows, gpus = _summary(rec["results"]), rec["gpus"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for i, mode in enumerate(("fixed", "degree 1", "dynamic")):
-        worlds = sorted({r["world"] for r in rows})
-        means = [statistics.mean(r[mode]["tokens_per_second"] for r in rows if r["world"] == w) for w in worlds]
-        left.bar([x + (i - 1) * 0.25 for x in range(len(worlds))], means, width=0.25, label=mode)
-        left.set_xticks(range(len(worlds)), [f"world {w}" for w in worlds])
-    left.set_ylabel("tokens/s (mean of runs)")
+    worlds = _bars(left, rows)
+    left.set_xticks(range(len(worlds)), [f"world {w}" for w in worlds])
+    left.set_ylabel("tokens/s (median of runs, bars: spread)")
     left.set_title("CPU, tiny model, long-tailed mix")
     left.legend(loc="lower left", framealpha=0.9)
     xs = [g["gpus"] for g in gpus]
@@ -90,7 +142,10 @@ def plot(rec: Dict, path: str) -> None:
 def render(rec: Dict) -> str:
     """The tables of a record (``setup``, ``results``: every run of every mode, ``gpus``: the cost model's)."""
     setup, gpus = rec["setup"], rec["gpus"]
-    lines = [f"tools/bench_dynamic.py, {setup}", ""] + _table(_summary(rec["results"]))
+    rows = _summary(rec["results"])
+    equal = "micro_batch_s" in setup  # a record with the equal-memory reference (the older ones have none)
+    lines = [f"tools/bench_dynamic.py, {setup}", ""]
+    lines += _table_equal(rows, setup["micro_batch_s"]) if equal else _table(rows)
     lines += ["", "Cost model, Llama-8B bf16 on H200s:", ""]
     lines += ["| GPUs | fixed s/step | degree 1 | dynamic | dynamic speed-up |", "|---|---|---|---|---|"]
     lines += [

@@ -28,6 +28,18 @@ def _predicted(rates, row: dict, run: Run, gpus_per_node=None) -> float:
     return predict(rates, row_run(row, run), Topology.parse(row["layout"]), gpus_per_node)["step_s"]
 
 
+def _scored(rates, rows, run: Run, several: bool, gpus_per_node=None) -> list:
+    """(name, measured, predicted) of every row."""
+    return [(_name(r, several), r["step_s"], _predicted(rates, r, run, gpus_per_node)) for r in rows]
+
+
+def _errors(result: dict, key: str) -> None:
+    """The largest relative error of ``result[key]``'s rows and their rank correlation, beside them."""
+    errs = [abs(p - m) / m for _, m, p in result[key]]
+    result[f"{key}_max_err"] = max(errs)
+    result[f"{key}_rank_corr"] = rank_correlation([m for _, m, _ in result[key]], [p for *_, p in result[key]])
+
+
 def evaluate(rows, run: Run, gpus_per_node=None, held_out_rows=()) -> dict:
     """The model fitted on all rows, held out by layout (two halves of the layouts, each predicted
     from the other), and, given ``held_out_rows`` (another sweep: a length or world not fitted),
@@ -37,23 +49,17 @@ def evaluate(rows, run: Run, gpus_per_node=None, held_out_rows=()) -> dict:
     names = sorted({r["layout"] for r in rows})
     halves = [[r for r in rows if names.index(r["layout"]) % 2 == k] for k in (0, 1)]
     rates = fit(rows, run, gpus_per_node)
-    result = {"in_sample": [(_name(r, several), r["step_s"], _predicted(rates, r, run, gpus_per_node)) for r in rows]}
-    result["held_out"] = []
+    result = {"in_sample": _scored(rates, rows, run, several, gpus_per_node), "held_out": []}
     for train, test in (halves, halves[::-1]):
-        rates_h = fit(train, run, gpus_per_node) if train else rates
-        result["held_out"] += [
-            (_name(r, several), r["step_s"], _predicted(rates_h, r, run, gpus_per_node)) for r in test
-        ]
+        result["held_out"] += _scored(
+            fit(train, run, gpus_per_node) if train else rates, test, run, several, gpus_per_node
+        )
     if held_out_rows:
-        result["held_out_sweep"] = [
-            (_name(r, several), r["step_s"], _predicted(rates, r, run, gpus_per_node)) for r in held_out_rows
-        ]
+        result["held_out_sweep"] = _scored(rates, held_out_rows, run, several, gpus_per_node)
     result["rates"] = rates
     for key in ("in_sample", "held_out", "held_out_sweep"):
         if key in result:
-            errs = [abs(p - m) / m for _, m, p in result[key]]
-            result[f"{key}_max_err"] = max(errs)
-            result[f"{key}_rank_corr"] = rank_correlation([m for _, m, _ in result[key]], [p for *_, p in result[key]])
+            _errors(result, key)
     return result
 
 
@@ -88,10 +94,10 @@ def _same_run(paths, settings) -> Run:
 def cmd_fit(a) -> int:
     paths = a.sweep or [os.path.join(a.out, "sweep.json")]
     loaded = [_timed_rows(p) for p in paths]
+    run = _same_run(paths, [s for s, _ in loaded])
     rows = [r for _, rs in loaded for r in rs]
     if len(rows) < 2:
         raise SystemExit(f"error: {', '.join(paths)}: {len(rows)} timed layouts; fit needs 2 or more (run sweep)")
-    run = _same_run(paths, [s for s, _ in loaded])
     held = [r for p in a.held_out or [] for r in _timed_rows(p)[1]]
     os.makedirs(a.out, exist_ok=True)
     report = Report(a.out, "fit", render_fit, plot_fit, record=evaluate(rows, run, held_out_rows=held))

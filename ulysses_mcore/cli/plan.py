@@ -9,7 +9,10 @@ import json
 from ..planning.memory_model import __doc__ as MODEL_DOC
 from ..planning.memory_model import estimate, longest_sequence
 from ..flags import explain
+from ..planning.calibration import Calibration, CalibrationError
 from ..planning.shape import ModelShape
+from ..planning.step_time import Run, predict
+from ..topology import Topology
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--use-distributed-optimizer", action="store_true")
     p.add_argument("--dp", type=int, default=1, help="data-parallel size (for the distributed optimizer)")
     p.add_argument("--budget-gb", type=float)
+    p.add_argument("--calibration", default=None)
     p.add_argument("--json", action="store_true")
     explain(p, PLAN_HELP)
     return p
@@ -66,6 +70,8 @@ PLAN_HELP = {
     "--mlp-chunk-tokens": "the sequence-tiled MLP's tokens per tile",
     "--use-distributed-optimizer": "Adam state sharded over dp x ulysses x cp",
     "--budget-gb": "also print, per degree, the longest sequence whose step peak fits this many GB",
+    "--calibration": "with --budget-gb: each longest sequence's tokens/s per GPU by this calibration "
+    "(`ulysses-mcore fit --out DIR`'s DIR/calibration.json)",
     "--json": "print the estimate as JSON",
 }
 
@@ -104,8 +110,29 @@ def _print(a, est: dict, out: dict) -> None:
     )
     if a.budget_gb:
         print(f"longest sequence in {a.budget_gb} GB per rank:")
+        speed = out.get("tokens_per_s_per_gpu", {})
         for ulysses, s in out["longest_sequence"].items():
-            print(f"  ulysses {ulysses:2d}: {s:>10d} tokens" + ("" if s else "  (does not fit)"))
+            fast = f"; {speed[ulysses][0]:.0f} tokens/s per GPU, {speed[ulysses][1]}" if ulysses in speed else ""
+            print(f"  ulysses {ulysses:2d}: {s:>10d} tokens" + (fast if s else "  (does not fit)"))
+
+
+def _speeds(a, longest: dict) -> dict:
+    """{degree: (tokens/s per GPU at its longest sequence by ``--calibration``, how far that reaches)}:
+    one micro-batch a rank, the layout of the flags at that degree."""
+    try:
+        cal = Calibration.load(a.calibration)
+    except CalibrationError as e:
+        raise SystemExit(f"error: {e}") from None
+    out = {}
+    for ulysses, seq in longest.items():
+        if not seq:
+            continue
+        lay = Topology.of(a.tp, ulysses, a.cp, a.pp, a.dp)
+        run = Run(ModelShape.from_args(a), seq, a.micro_batch_size, a.micro_batch_size * a.dp, bf16=a.bf16)
+        run.recompute, run.distributed_optimizer = a.recompute, a.use_distributed_optimizer
+        step = predict(cal.rates, run, lay)["step_s"]
+        out[ulysses] = (run.global_batch_size * seq / step / lay.world_size, cal.reach_text(seq, lay.world_size))
+    return out
 
 
 def main(argv=None):
@@ -119,6 +146,8 @@ def main(argv=None):
             for ulysses in (1, 2, 4, 8, 16)
             if a.num_attention_heads // a.tp % ulysses == 0
         }
+    if a.calibration and a.budget_gb:
+        out["tokens_per_s_per_gpu"] = _speeds(a, out["longest_sequence"])
     if a.json:
         print(json.dumps(out, indent=1))
         return 0

@@ -19,18 +19,19 @@ Placement (:func:`place`), a list schedule over the cost model's clock of each r
    higher degree when it has room (exchanged either way; a cell less is a micro-batch less);
 3. those cells, largest degree first and then most work first, each go to the aligned block that is
    free first (its members run them in this one global order: no two groups wait on each other);
-4. whole documents (degree 1), longest first, each go to the rank that is free first; each rank's
-   whole documents are packed into micro-batches of at most ``cap`` tokens, split further until every
-   rank runs the same number of slots (while it has documents to split).
+4. whole documents (degree 1), longest first, each go where they end first on the cost model's
+   clock: into a micro-batch of a rank with room (first fit), or a new one, which costs a micro-batch's
+   own time; each rank runs as many micro-batches as its documents need (Megatron's schedule takes a
+   count per rank, so none is split to match its peers).
 
-Work is the cost model's (:class:`Costs`): per token (the MLP, projections, logits), per document
-the attention's causal pairs, and the all-to-all bytes of an exchanged document -- per rank,
-divided by the cell's degree.
+Work is the cost model's (:class:`Costs`, from a calibration's rates): per token (the MLP,
+projections, logits), per document the attention's causal pairs, and the all-to-all bytes of an
+exchanged document -- per rank, divided by the cell's degree -- plus each micro-batch's own time
+and a cell's pad tokens.  The objective is the busiest rank's finish.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -217,17 +218,20 @@ def place(
     cap: int,
     costs: Costs = Costs(),
     bucket: int = 1,
+    whole_bucket: int = 1,
 ) -> Schedule:
     """The placement of documents of ``lengths`` on ``ranks`` ranks (a multiple of ``max_ulysses``,
     a power of two), at most ``cap`` tokens a rank in a micro-batch; the per-rank length of every
-    cell is rounded up to a multiple of ``bucket`` (never past ``cap``) so a run sees few shapes
-    (prepared calls, exchange buffers and the allocator's blocks stay few).  Deterministic: every
+    cell of degree > 1 is rounded up to a multiple of ``bucket`` (never past ``cap``) so a run sees
+    few exchanged shapes (prepared calls and exchange buffers stay few); a micro-batch of whole
+    documents, which exchanges nothing, only to ``whole_bucket`` (sequence parallelism's multiple of
+    the tensor-parallel size).  Deterministic: every
     rank computes the same schedule from the same lengths."""
-    _check(ranks, max_ulysses, cap, bucket)
+    _check(ranks, max_ulysses, cap, min(bucket, whole_bucket))
     degrees = [degree_for(L, cap, max_ulysses) for L in lengths]
     clock, busy = [0.0] * ranks, [0.0] * ranks
     per_rank: List[List[Cell]] = [[] for _ in range(ranks)]
-    for order, (work, d, docs) in enumerate(_group_cells(lengths, degrees, cap, costs)):
+    for order, (work, d, docs) in enumerate(_group_cells(lengths, degrees, cap, costs, bucket)):
         first = min(range(0, ranks, d), key=lambda f: (max(clock[f : f + d]), f))  # the block free first
         end = max(clock[first : first + d]) + work
         tokens = sum(lengths[i] for i in docs)
@@ -235,70 +239,57 @@ def place(
         for r in cell.ranks:
             clock[r], busy[r] = end, busy[r] + work
             per_rank[r].append(cell)
-    whole = _whole_documents(lengths, degrees, costs, clock, busy)
-    bins = [_fill(lengths, docs, cap) for docs in whole]
-    slots = max(len(per_rank[r]) + len(bins[r]) for r in range(ranks))
-    for r in range(ranks):
-        for docs in _spread(lengths, bins[r], slots - len(per_rank[r])):
+    for r, bins in enumerate(_whole_micro_batches(lengths, degrees, cap, costs, clock, busy, per_rank)):
+        for docs in bins:
             tokens = sum(lengths[i] for i in docs)
-            per_rank[r].append(Cell(-1, r, 1, tuple(sorted(docs)), tokens, _per_rank(tokens, 1, cap, bucket)))
-            clock[r] += costs.cell
+            per_rank[r].append(Cell(-1, r, 1, tuple(sorted(docs)), tokens, _per_rank(tokens, 1, cap, whole_bucket)))
     return Schedule(ranks, per_rank, degrees, clock, busy)
 
 
-def _whole_documents(lengths, degrees, costs: Costs, clock: List[float], busy: List[float]) -> List[List[int]]:
-    """Each rank's whole documents (degree 1): longest first, each to the rank free first (its clock
-    and busy time advanced)."""
-    whole: List[List[int]] = [[] for _ in clock]
-    free = [(t, r) for r, t in enumerate(clock)]
-    heapq.heapify(free)
+def _whole_micro_batches(lengths, degrees, cap: int, costs: Costs, clock: List[float], busy: List[float], cells):
+    """Each rank's micro-batches of whole documents (degree 1), every rank as many as its documents
+    need (Megatron's schedule takes a count per rank: none is split to match its peers).  Longest
+    first, each document goes where it ends first on the cost model's clock -- into a micro-batch of
+    that rank with room (first fit), or a new one, which costs the micro-batch's own time (``cell``)."""
+    bins: List[List[List[int]]] = [[] for _ in clock]
+    room: List[List[int]] = [[] for _ in clock]
+    first_free = [not mine for mine in cells]  # a rank without a group cell runs one micro-batch regardless:
+    for r, free in enumerate(first_free):  # its own time is paid up front, and its first costs no more
+        clock[r] += costs.cell if free else 0.0
     for i in sorted((i for i, g in enumerate(degrees) if g == 1), key=lambda i: (-lengths[i], i)):
-        _, r = heapq.heappop(free)
-        whole[r].append(i)
-        work = costs.document(lengths[i], 1)
+        work, n = costs.document(lengths[i], 1), lengths[i]
+        _, r = min((clock[r] + work + _opening(room[r], n, first_free[r], costs), r) for r in range(len(clock)))
+        b = next((b for b, free in enumerate(room[r]) if free >= lengths[i]), None)
+        if b is None:
+            bins[r].append([])
+            room[r].append(cap)
+            b = len(bins[r]) - 1
+            clock[r] += 0.0 if first_free[r] else costs.cell
+            first_free[r] = False
+        bins[r][b].append(i)
+        room[r][b] -= lengths[i]
         clock[r], busy[r] = clock[r] + work, busy[r] + work
-        heapq.heappush(free, (clock[r], r))
-    return whole
+    return bins
 
 
-def _group_cells(lengths, degrees, cap: int, costs: Costs):
+def _opening(room: List[int], n: int, first_free: bool, costs: Costs) -> float:
+    """What a document of ``n`` tokens adds beyond its work on a rank: nothing where a micro-batch
+    of it has room (or its first is still to come), else a new micro-batch's own time."""
+    return 0.0 if first_free or any(free >= n for free in room) else costs.cell
+
+
+def _group_cells(lengths, degrees, cap: int, costs: Costs, bucket: int):
     """(work a rank, degree, documents) of every cell of degree > 1, largest degree first, then most
-    work; each document's entry in ``degrees`` becomes the degree it runs at (its cell's)."""
+    work; each document's entry in ``degrees`` becomes the degree it runs at (its cell's).  A cell's
+    work counts its pad tokens (its share rounded up to the bucket) and its micro-batch's own time."""
     out = []
-    for d, _, docs in _pack_cells(lengths, degrees, cap):
+    for d, tokens, docs in _pack_cells(lengths, degrees, cap):
         for i in docs:
             degrees[i] = d
-        out.append((sum(costs.document(lengths[i], d) for i in docs) + costs.cell + costs.messages, d, docs))
+        pad = _per_rank(tokens, d, cap, bucket) - tokens / d  # per rank
+        work = sum(costs.document(lengths[i], d) for i in docs) + costs.token * pad + costs.cell + costs.messages
+        out.append((work, d, docs))
     return sorted(out, key=lambda g: (-g[1], -g[0], g[2]))
-
-
-def _fill(lengths, docs: List[int], cap: int) -> List[List[int]]:
-    """A rank's whole documents into micro-batches of at most ``cap`` tokens (first fit, longest first)."""
-    bins: List[List[int]] = []
-    room: List[int] = []
-    for i in docs:  # already longest first
-        b = next((b for b, free in enumerate(room) if free >= lengths[i]), None)
-        if b is None:
-            bins.append([])
-            room.append(cap)
-            b = len(bins) - 1
-        bins[b].append(i)
-        room[b] -= lengths[i]
-    return bins
-
-
-def _spread(lengths, bins: List[List[int]], want: int) -> List[List[int]]:
-    """``bins`` split (the one with most tokens first) until there are ``want`` of them, or no bin
-    has two documents left: every rank then runs the same number of micro-batches."""
-    bins = [list(b) for b in bins]
-    while len(bins) < want:
-        splittable = [b for b in bins if len(b) > 1]
-        if not splittable:
-            break
-        big = max(splittable, key=lambda b: sum(lengths[i] for i in b))
-        bins.remove(big)
-        bins += [big[0::2], big[1::2]]
-    return bins
 
 
 def _check(ranks: int, max_ulysses: int, cap: int, bucket: int) -> None:
@@ -334,7 +325,9 @@ def samples_of(lengths: Sequence[int], seq: int, count: int) -> List[List[int]]:
     return out
 
 
-def step_times(samples: List[List[int]], *, ranks: int, max_ulysses: int, costs: Costs) -> Dict[str, float]:
+def step_times(
+    samples: List[List[int]], *, ranks: int, max_ulysses: int, costs: Costs, bucket: int = 1
+) -> Dict[str, float]:
     """The cost model's step time (busiest rank) of a global batch ``samples`` on ``ranks`` ranks:
     the fixed degree ``max_ulysses`` (data-parallel groups take contiguous samples), degree 1 (every
     rank whole samples) and the dynamic placement."""
@@ -349,7 +342,12 @@ def step_times(samples: List[List[int]], *, ranks: int, max_ulysses: int, costs:
         )
 
     schedule = place(
-        [L for s in samples for L in s], ranks=ranks, max_ulysses=max_ulysses, cap=seq // max_ulysses, costs=costs
+        [L for s in samples for L in s],
+        ranks=ranks,
+        max_ulysses=max_ulysses,
+        cap=seq // max_ulysses,
+        costs=costs,
+        bucket=bucket,
     )
     return {"fixed": fixed(max_ulysses, dp), "degree 1": fixed(1, ranks), "dynamic": max(schedule.finish)}
 

@@ -6,20 +6,24 @@ and keeps the ones the trainer itself accepts (``ulysses_mcore.megatron.trainer.
 memory budget (:mod:`ulysses_mcore.planning.memory_model`); every dropped layout comes back with its reason.
 
 **Step time.**  A step of a layout is modelled phase by phase, each phase a count the layout
-implies times a rate (:func:`features`), the rates calibrated on measured steps (:func:`fit`):
+implies times a rate (:func:`features`; the FLOPs from :meth:`ModelShape.work`, the bytes from the
+memory model: counted once for every reader, the dynamic placement's costs included), the rates
+calibrated on measured steps (:func:`fit`) over several lengths, which is what separates a fixed
+cost from a per-token one and a per-token one from a per-pair one:
 
-* attention kernel: ``a x`` its FLOPs per rank (``4 s^2 h d`` a layer, causal half, x3 for the
-  backward, the heads split over ``tp x ulysses``, the queries over ``cp``);
-* MLP: ``b x`` its FLOPs per rank; the other matrix multiplies (QKV, projection, logits) and
-  whatever the phases do not cover go to the rest: ``c0 + g x`` their FLOPs;
+* attention kernel: ``a x`` its FLOPs per rank (``4 h`` per causal (query, key) pair a layer, x3
+  for the backward, the heads split over ``tp x ulysses``, the queries over ``cp``), plus a cost per
+  query row (softmax, tiles) and per layer call;
+* MLP: ``b x`` its FLOPs per rank, per layer call, and the tensor-parallel all-reduces inside it;
 * Ulysses all-to-alls and ring shifts: ``alpha x`` messages ``+ bytes / bandwidth`` per link
   class (intra-node vs inter-node: which groups cross nodes follows from the rank order and the
   GPUs per node);
-* tensor-parallel all-reduces (half inside the MLP), the data-parallel gradient reduction
-  (over ``dp x ulysses x cp``), pipeline sends: bytes per link class like the all-to-alls; the
-  pipeline bubble, ``(pp - 1) / micro-batches`` of a stage's work, idle time in the rest; host
-  work per layer and micro-batch (launches, Python);
-* optimizer: ``o x`` parameters per rank.
+* optimizer: ``o x`` parameters per rank;
+* the rest: a fixed cost a step and a micro-batch, the other matrix multiplies (QKV, projection,
+  logits), a per-token cost that is no matmul (norms, activations, copies), host work per layer and
+  micro-batch (launches, Python), tensor-parallel all-reduces outside the MLP, the data-parallel
+  gradient reduction (over ``dp x ulysses x cp``), pipeline sends, and the pipeline bubble,
+  ``(pp - 1) / micro-batches`` of a stage's work.
 
 Nothing overlaps in the model (this project's trainer overlaps nothing: DDP's overlap is off,
 the ring's shifts are waited on before the next block on CPU/gloo).

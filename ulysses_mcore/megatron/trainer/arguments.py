@@ -8,13 +8,13 @@ the value and the fix.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 
 import torch
 
 from ulysses_mcore.megatron.trainer.parser import build_parser
+from ulysses_mcore.planning.calibration import Calibration, CalibrationError
 from ulysses_mcore.topology import Topology
 
 _INT_MIN = {
@@ -179,8 +179,8 @@ _CONSISTENCY = (
         ),
     ),
     (
-        lambda a, t: a.dynamic_calibration is not None and calibration_problem(a.dynamic_calibration),
-        lambda a, t: f"--dynamic-calibration {a.dynamic_calibration}: {calibration_problem(a.dynamic_calibration)}",
+        lambda a, t: a.calibration is not None and calibration_problem(a.calibration),
+        lambda a, t: f"--calibration {a.calibration}: {calibration_problem(a.calibration)}",
     ),
     (
         lambda a, t: a.dynamic_bucket is not None and a.dynamic_bucket < 1,
@@ -283,16 +283,9 @@ _CONSISTENCY = (
 def calibration_problem(path: str):
     """What is wrong with a calibration file for the dynamic placement, or None."""
     try:
-        with open(path) as f:
-            rates = json.load(f)["rates"]
-        rates["attention"]["attn_flops"], rates["mlp"]["mlp_flops"]
-    except OSError as e:
-        return f"cannot read it ({e.strerror}); give the fit.json that `ulysses-mcore fit --out DIR` wrote"
-    except (ValueError, KeyError, TypeError):
-        return (
-            "not a calibration (no rates.attention.attn_flops / rates.mlp.mlp_flops): "
-            "give `ulysses-mcore fit`'s fit.json"
-        )
+        Calibration.load(path)
+    except CalibrationError as e:
+        return str(e).removeprefix(f"--calibration {path}: ")
     return None
 
 

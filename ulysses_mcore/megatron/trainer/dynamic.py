@@ -17,7 +17,6 @@ out:
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from typing import Dict, List
@@ -30,6 +29,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from ulysses_mcore.agreement import agree, digest
 from ulysses_mcore.megatron.layer.batch import pack_batch
 from ulysses_mcore.megatron.trainer.arguments import padded_vocab
+from ulysses_mcore.planning.calibration import Calibration
 from ulysses_mcore.planning.placement import Cell, Costs, Schedule, place, powers_of_two
 from ulysses_mcore.planning.shape import ModelShape
 from ulysses_mcore.planning.step_time import PRESETS, gpu_rates
@@ -78,8 +78,10 @@ class DynamicBatches:
     """A global batch's micro-batches for this rank under ``--dynamic-ulysses``, and what its
     schedule did (``last``: slots, documents per degree, exchanged tokens, the scheduler's time)."""
 
-    def __init__(self, groups: DynamicGroups, *, cap: int, costs: Costs, bucket: int, eod: int, reset_positions: bool):
-        self.groups, self.cap, self.costs, self.bucket = groups, cap, costs, bucket
+    def __init__(
+        self, groups: DynamicGroups, *, cap: int, costs: Costs, bucket, eod: int, reset_positions: bool
+    ):  # bucket: (a cell's of degree > 1, a micro-batch of whole documents'): bucket_of
+        self.groups, self.cap, self.costs, (self.bucket, self.whole_bucket) = groups, cap, costs, bucket
         self.eod, self.reset_positions = eod, reset_positions
         self.last: Dict = {}
 
@@ -98,6 +100,7 @@ class DynamicBatches:
             cap=self.cap,
             costs=self.costs,
             bucket=self.bucket,
+            whole_bucket=self.whole_bucket,
         )
         self.last = placement_report(schedule, lengths, time.perf_counter() - t0)
         self._agree(lengths)
@@ -151,15 +154,18 @@ def _cumsum(xs):
 
 
 def placement_report(schedule: Schedule, lengths: List[int], seconds: float) -> Dict:
-    """What a schedule does: slots, documents per degree, tokens through an all-to-all (pad
+    """What a schedule does: micro-batches a rank, documents per degree, pad, tokens through an all-to-all (pad
     included) against the fixed degree's (all of them), the cost model's busiest / mean rank."""
     per_degree: Dict[int, int] = {}
     for d in schedule.degrees:
         per_degree[d] = per_degree.get(d, 0) + 1
     finish = schedule.finish or [0.0]
     mean = sum(schedule.work) / len(schedule.work) if schedule.work else 0.0
+    counts = [len(schedule.cells_of(r)) for r in range(schedule.ranks)]
     return {
         "slots": schedule.slots,
+        "micro_batches": (min(counts), max(counts)),  # a rank's, fewest and most
+        "pad_tokens": sum(c.pad for c in schedule.cells()),
         "documents": dict(sorted(per_degree.items())),
         "exchanged_tokens": schedule.exchanged_tokens(),
         "tokens": sum(lengths),
@@ -168,37 +174,47 @@ def placement_report(schedule: Schedule, lengths: List[int], seconds: float) -> 
     }
 
 
-# the step-time model's rates fitted on this project's 2-core CPU sweep (docs/perf/sweep_w4/fit.json):
-# s per attention FLOP, per MLP FLOP, per all-to-all message and byte, per layer and micro-batch
+# the step-time model's rates calibrated on this project's 2-core CPU at world 4, 512 and 1024 tokens
+# (docs/perf/calibration_w4/calibration.json, its non-zero rates to 3 digits): s per FLOP, query row,
+# message, byte, parameter, micro-batch and layer call of each phase
 CPU_RATES = {
-    "attention": {"attn_flops": 4.81e-11},
-    "mlp": {"mlp_flops": 2.13e-11},
-    "a2a": {"a2a_msgs": 8.57e-4, "a2a_bytes_intra": 2.87e-8},
-    "rest": {"layer_calls": 5.88e-4},
+    "attention": {"attn_flops": 2.79e-11, "attn_rows": 1.15e-07, "layer_calls": 0.00524},
+    "mlp": {"mlp_flops": 1.11e-11, "layer_calls": 0.00254, "tp_mlp_bytes_intra": 1.1e-08},
+    "a2a": {"a2a_msgs": 0.00178, "a2a_bytes_intra": 2.35e-08},
+    "ring": {"ring_msgs": 0.00188, "ring_bytes_intra": 1.67e-08},
+    "optimizer": {"params": 6.84e-08},
+    "rest": {
+        "micro_batches": 0.00372,
+        "layer_calls": 0.00448,
+        "bubble_flops": 3.47e-11,
+        "pp_bytes_intra": 4.2e-09,
+        "tp_bytes_intra": 1.9e-08,
+    },
 }
 
 
 def costs_of(args) -> Costs:
-    """The placement's cost model for the run's model: the rates of ``--dynamic-calibration FILE``
-    (``ulysses-mcore fit``'s ``fit.json``), else the project's CPU fit on a CPU and the H200 preset
-    on a GPU (``ulysses-mcore predict``'s)."""
+    """The placement's cost model for the run's model: the rates of ``--calibration FILE``
+    (``ulysses-mcore fit``'s ``calibration.json``, checked with the flags), else the project's CPU
+    calibration on a CPU and the H200 preset on a GPU (``ulysses-mcore predict``'s)."""
     model = ModelShape.from_args(args, vocab_size=padded_vocab(args))
-    if args.dynamic_calibration:
-        with open(args.dynamic_calibration) as f:
-            rates = json.load(f)["rates"]
+    if args.calibration:
+        rates = Calibration.load(args.calibration).rates
     else:
         rates = gpu_rates(PRESETS["h200"]) if torch.cuda.is_available() else CPU_RATES
     return Costs.from_rates(rates, model, dtype_bytes=2 if args.bf16 else 4)
 
 
-def bucket_of(args, cap: int) -> int:
-    """A cell's per-rank tokens are rounded to this: ``--dynamic-bucket``, else 1/16 of the load (at
-    most 16 shapes a degree, <= 6% pad); with ``--sequence-parallel`` a multiple of the
-    tensor-parallel size (Megatron splits each micro-batch's tokens over it)."""
-    bucket = args.dynamic_bucket or max(1, math.ceil(cap / 16))
+def bucket_of(args, cap: int):
+    """(a cell's per-rank tokens are rounded to this: ``--dynamic-bucket``, else 1/64 of the load, at
+    most 64 exchanged shapes a degree and under 1% pad on the benchmark's mixes; a micro-batch of
+    whole documents, which exchanges nothing, is not rounded): with ``--sequence-parallel`` both
+    multiples of the tensor-parallel size (Megatron splits each micro-batch's tokens over it)."""
+    bucket, whole = args.dynamic_bucket or max(1, math.ceil(cap / 64)), 1
     if args.sequence_parallel:
         bucket = math.lcm(bucket, args.tensor_model_parallel_size)
-    return bucket
+        whole = args.tensor_model_parallel_size
+    return bucket, whole
 
 
 __all__ = ["DynamicGroups", "DynamicBatches", "costs_of", "bucket_of"]

@@ -176,8 +176,10 @@ def _iteration(args, run, data, model, optimizer, scheduler, log, use_cuda):
 def _log_schedule(last: dict, step_seconds: float) -> None:
     share = last["exchanged_tokens"] / max(1, last["tokens"])
     busy, sched = last["predicted_busy_max_over_mean"], last["scheduler_seconds"]
+    lo, hi = last["micro_batches"]
     print(
-        f"   dynamic: {last['slots']} slots | documents by degree {last['documents']} | all-to-all tokens "
+        f"   dynamic: {lo}-{hi} micro-batches a rank | documents by degree {last['documents']} | pad "
+        f"{100 * last['pad_tokens'] / max(1, last['tokens']):.2f}% of tokens | all-to-all tokens "
         f"{share:.2f} of the fixed degree's | predicted busiest / mean rank {busy:.3f} | "
         f"scheduler {sched * 1e3:.1f} ms ({100 * sched / step_seconds:.2f}% of the step) |",
         flush=True,

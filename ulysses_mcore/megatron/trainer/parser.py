@@ -27,17 +27,19 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
         "by the cost model; needs --reset-attention-mask (docs/dynamic.md)",
     )
     g.add_argument(
+        "--calibration",
         "--dynamic-calibration",
+        dest="calibration",
         default=None,
-        help="--dynamic-ulysses: the cost model's rates from `ulysses-mcore fit` (its fit.json); default: the "
-        "project's CPU fit on a CPU, the H200 preset on a GPU",
+        help="--dynamic-ulysses: the cost model's rates from `ulysses-mcore fit --out DIR` (DIR/calibration.json); "
+        "default: the project's CPU calibration on a CPU, the H200 preset on a GPU",
     )
     g.add_argument(
         "--dynamic-bucket",
         type=int,
         default=None,
         help="--dynamic-ulysses: a cell's tokens per rank rounded up to a multiple of this (few shapes a run); "
-        "default: the per-rank load / 16",
+        "default: the per-rank load / 64",
     )
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
