@@ -28,12 +28,12 @@ def predict_gpus(mix: Dict, worlds=(8, 16, 32, 64), ulysses: int = 8) -> List[di
     return out
 
 
-def _summary(results: List[dict]) -> List[dict]:
+def _summary(results: List[dict], modes: int = 3) -> List[dict]:
     """Per world and run: each mode's numbers and the share of the gap closed."""
     rows = []
     for world, run in sorted({(r["world"], r["run"]) for r in results}):
         by = {r["mode"]: r for r in results if r["world"] == world and r["run"] == run}
-        if len(by) < 3 or ("equal memory" in {x["mode"] for x in results} and len(by) < 4):  # a run still going
+        if len(by) < modes:  # a run still going
             continue
         fixed, one, dyn = by["fixed"], by["degree 1"], by["dynamic"]
         gap = one["tokens_per_second"] - fixed["tokens_per_second"]
@@ -119,7 +119,7 @@ def _bars(ax, rows: List[dict]) -> List[int]:
 def plot(rec: Dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
-    rows, gpus = _summary(rec["results"]), rec["gpus"]
+    rows, gpus = _summary(rec["results"], 4 if "micro_batch_s" in rec["setup"] else 3), rec["gpus"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     worlds = _bars(left, rows)
     left.set_xticks(range(len(worlds)), [f"world {w}" for w in worlds])
@@ -142,8 +142,8 @@ def plot(rec: Dict, path: str) -> None:
 def render(rec: Dict) -> str:
     """The tables of a record (``setup``, ``results``: every run of every mode, ``gpus``: the cost model's)."""
     setup, gpus = rec["setup"], rec["gpus"]
-    rows = _summary(rec["results"])
     equal = "micro_batch_s" in setup  # a record with the equal-memory reference (the older ones have none)
+    rows = _summary(rec["results"], 4 if equal else 3)
     lines = [f"tools/bench_dynamic.py, {setup}", ""]
     lines += _table_equal(rows, setup["micro_batch_s"]) if equal else _table(rows)
     lines += ["", "Cost model, Llama-8B bf16 on H200s:", ""]

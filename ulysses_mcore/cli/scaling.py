@@ -113,7 +113,7 @@ def cmd_predict(a) -> int:
         for tps, lay, p, mem in best:
             print(
                 f"{gpus:5d} GPUs ({n} layouts fit): {lay.name:28s} {tps:9.0f} tokens/s per GPU, "
-                f"step {p['step_s']:.2f} s, peak {mem:.3g} GB{reach}"
+                f"step {p['step_s']:.2f} s, planned peak {mem:.3g} GB{reach}"
             )
     return 0
 

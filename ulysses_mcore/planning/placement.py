@@ -225,8 +225,8 @@ def place(
     cell of degree > 1 is rounded up to a multiple of ``bucket`` (never past ``cap``) so a run sees
     few exchanged shapes (prepared calls and exchange buffers stay few); a micro-batch of whole
     documents, which exchanges nothing, only to ``whole_bucket`` (sequence parallelism's multiple of
-    the tensor-parallel size).  Deterministic: every
-    rank computes the same schedule from the same lengths."""
+    the tensor-parallel size).  Deterministic: every rank computes the same schedule from the same
+    lengths."""
     _check(ranks, max_ulysses, cap, min(bucket, whole_bucket))
     degrees = [degree_for(L, cap, max_ulysses) for L in lengths]
     clock, busy = [0.0] * ranks, [0.0] * ranks

@@ -18,6 +18,7 @@ out:
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import Dict, List
 
@@ -160,7 +161,7 @@ def placement_report(schedule: Schedule, lengths: List[int], seconds: float) -> 
     for d in schedule.degrees:
         per_degree[d] = per_degree.get(d, 0) + 1
     finish = schedule.finish or [0.0]
-    mean = sum(schedule.work) / len(schedule.work) if schedule.work else 0.0
+    mean = sum(finish) / len(finish)  # each rank's end on the cost model's clock, micro-batches' own time included
     counts = [len(schedule.cells_of(r)) for r in range(schedule.ranks)]
     return {
         "slots": schedule.slots,
@@ -196,13 +197,16 @@ CPU_RATES = {
 def costs_of(args) -> Costs:
     """The placement's cost model for the run's model: the rates of ``--calibration FILE``
     (``ulysses-mcore fit``'s ``calibration.json``, checked with the flags), else the project's CPU
-    calibration on a CPU and the H200 preset on a GPU (``ulysses-mcore predict``'s)."""
+    calibration on a CPU and the H200 preset on a GPU (``ulysses-mcore predict``'s); cells wider than
+    a node priced at the inter-node rate."""
     model = ModelShape.from_args(args, vocab_size=padded_vocab(args))
     if args.calibration:
         rates = Calibration.load(args.calibration).rates
     else:
         rates = gpu_rates(PRESETS["h200"]) if torch.cuda.is_available() else CPU_RATES
-    return Costs.from_rates(rates, model, dtype_bytes=2 if args.bf16 else 4)
+    # a cell of d line ranks spans d x tp ranks: across nodes where that exceeds a node (torchrun's count)
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) // args.tensor_model_parallel_size or None
+    return Costs.from_rates(rates, model, dtype_bytes=2 if args.bf16 else 4, gpus_per_node=per_node)
 
 
 def bucket_of(args, cap: int):
