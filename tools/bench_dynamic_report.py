@@ -116,10 +116,16 @@ def _bars(ax, rows: List[dict]) -> List[int]:
     return worlds
 
 
+def _modes(rec: Dict) -> int:
+    """Modes a run of the record has: 4 with the equal-memory reference (its setup names the micro-batch
+    cost the reachable share charges), 3 in the records from before it."""
+    return 4 if "micro_batch_s" in rec["setup"] else 3
+
+
 def plot(rec: Dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
-    rows, gpus = _summary(rec["results"], 4 if "micro_batch_s" in rec["setup"] else 3), rec["gpus"]
+    rows, gpus = _summary(rec["results"], _modes(rec)), rec["gpus"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     worlds = _bars(left, rows)
     left.set_xticks(range(len(worlds)), [f"world {w}" for w in worlds])
@@ -142,10 +148,9 @@ def plot(rec: Dict, path: str) -> None:
 def render(rec: Dict) -> str:
     """The tables of a record (``setup``, ``results``: every run of every mode, ``gpus``: the cost model's)."""
     setup, gpus = rec["setup"], rec["gpus"]
-    equal = "micro_batch_s" in setup  # a record with the equal-memory reference (the older ones have none)
-    rows = _summary(rec["results"], 4 if equal else 3)
+    rows = _summary(rec["results"], _modes(rec))
     lines = [f"tools/bench_dynamic.py, {setup}", ""]
-    lines += _table_equal(rows, setup["micro_batch_s"]) if equal else _table(rows)
+    lines += _table_equal(rows, setup["micro_batch_s"]) if _modes(rec) == 4 else _table(rows)
     lines += ["", "Cost model, Llama-8B bf16 on H200s:", ""]
     lines += ["| GPUs | fixed s/step | degree 1 | dynamic | dynamic speed-up |", "|---|---|---|---|---|"]
     lines += [

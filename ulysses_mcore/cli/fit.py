@@ -18,6 +18,7 @@ from ..bench import Report
 from ..planning.calibration import Calibration
 from ..planning.step_time import Run, fit, predict, rank_correlation, row_run
 from ..topology import Topology
+from .sweep import lengths_in
 
 
 def _name(row: dict, several: bool) -> str:
@@ -73,7 +74,7 @@ def _timed_rows(path: str):
             f"error: --sweep {path}: cannot read it ({e}); run `ulysses-mcore sweep --out DIR` first"
         ) from None
     s = rec["settings"]
-    first = s["seq_length"][0] if isinstance(s["seq_length"], list) else s["seq_length"]
+    first = lengths_in(s["seq_length"])[0]
     rows = [dict(r, seq_length=r.get("seq_length", first)) for r in rec["rows"].values()]
     return s, [r for r in rows if "error" not in r and "attention_s" in r]
 
@@ -87,8 +88,7 @@ def _same_run(paths, settings) -> Run:
             raise SystemExit(
                 f"error: --sweep {paths[0]} and {p} are of other runs ({', '.join(differ)}): fit one model"
             )
-    first = settings[0]["seq_length"]
-    return Run.from_settings(dict(settings[0], seq_length=first[0] if isinstance(first, list) else first))
+    return Run.from_settings(dict(settings[0], seq_length=lengths_in(settings[0]["seq_length"])[0]))
 
 
 def cmd_fit(a) -> int:

@@ -68,7 +68,11 @@ class Pricing:
             except CalibrationError as e:
                 raise SystemExit(f"error: {e}") from None
             return cls(cal.rates, getattr(a, "budget_gb", None), None, cal)
-        preset = PRESETS[a.preset]
+        return cls.preset(a.preset)
+
+    @classmethod
+    def preset(cls, name: str) -> Pricing:
+        preset = PRESETS[name]
         return cls(gpu_rates(preset), preset["memory_gb"], preset["gpus_per_node"])
 
     def global_batch(self, gpus: int) -> int:
@@ -154,12 +158,12 @@ def compare_published() -> List[str]:
         "|---|---|---|---|---|",
     ]
     for what, preset, model, seq, gpus, layouts, published in PUBLISHED:
-        run = Run(model, seq, 1, gpus, bf16=True, recompute="full", distributed_optimizer=True)
-        rates = gpu_rates(PRESETS[preset])
+        pricing = Pricing.preset(preset)
+        run = pricing.run(model, seq, gpus)
         tps = {
             k: run.global_batch_size
             * seq
-            / predict(rates, run, Topology.parse(v), PRESETS[preset]["gpus_per_node"])["step_s"]
+            / predict(pricing.rates, run, Topology.parse(v), pricing.gpus_per_node)["step_s"]
             / gpus
             for k, v in layouts.items()
         }

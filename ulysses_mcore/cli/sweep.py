@@ -226,6 +226,11 @@ def lengths_of(text: str):
     return lengths
 
 
+def lengths_in(seq_length) -> list:
+    """The lengths of a ``--seq-length`` value or a sweep record's ``seq_length`` (one, or a list)."""
+    return list(seq_length) if isinstance(seq_length, list) else [seq_length]
+
+
 def row_key(lay: Topology, seq: int, lengths) -> str:
     """A row's key in ``sweep.json``: the layout's name, with ``@length`` in a sweep of several lengths."""
     return lay.name if len(lengths) == 1 else f"{lay.name}@{seq}"
@@ -253,7 +258,7 @@ def _layouts_at(a, run: Run):
 
 
 def cmd_sweep(a) -> int:
-    lengths = a.seq_length if isinstance(a.seq_length, list) else [a.seq_length]
+    lengths = lengths_in(a.seq_length)
     runs = [Run(a.model, seq, a.micro_batch_size, a.global_batch_size) for seq in lengths]
     plans, dropped = [], {}
     for run in runs:  # every length checked before anything runs
@@ -281,7 +286,7 @@ def cmd_sweep(a) -> int:
 def render(rec: dict) -> str:
     """The sweep's table, fastest layout first (``OUT/sweep.md``); one table per length."""
     s = rec["settings"]
-    lengths = s["seq_length"] if isinstance(s["seq_length"], list) else [s["seq_length"]]
+    lengths = lengths_in(s["seq_length"])
     lines = [
         f"Sweep: {s['model']} at {','.join(map(str, lengths))} tokens, global batch {s['global_batch_size']}, "
         f"{s['world']} ranks ({s['runner']}); medians of the steady-state iterations, phases the slowest rank's.",
@@ -318,7 +323,7 @@ def plot(rec: dict, path: str) -> None:
 
     rows = sorted((r for r in rec["rows"].values() if "error" not in r), key=lambda r: -r["tokens_per_s"])
     s = rec["settings"]
-    several = isinstance(s["seq_length"], list)
+    several = len(lengths_in(s["seq_length"])) > 1
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 0.35 * len(rows) + 1.5), sharey=True)
     names = [f"{r['layout']} @{r['seq_length']}" if several else r["layout"] for r in rows][::-1]
     ax1.barh(names, [r["tokens_per_s"] for r in rows][::-1], color="tab:blue")
