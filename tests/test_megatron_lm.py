@@ -129,6 +129,11 @@ def assert_same_lines(got, want, iterations, what, logged=None):
         )
 
 
+VPP = ["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1"]
+OVERLAP_RECOMPUTE = [
+    "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+    "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+]  # fmt: skip
 # layout name: (world size, flags with Ulysses, the same script and world size without it)
 LAYOUTS = {
     "ulysses4_rope": (4, ["--ulysses-degree", "4", *ROPE], ROPE),
@@ -143,6 +148,19 @@ LAYOUTS = {
         ["--pipeline-model-parallel-size", "2"],
     ),
     "ulysses2_cp2_rope": (4, ["--ulysses-degree", "2", "--context-parallel-size", "2", *ROPE], ROPE),
+    # the interleaved schedule overlaps its p2p: a sent output's storage must outlive gloo's isend (cpu_compat)
+    "pp2_vpp2_ulysses2": (4, [*VPP, "--ulysses-degree", "2"], VPP),
+    # Megatron's memory features (docs/memory.md): sharded optimizer state, both overlaps, full recompute
+    "ulysses2_distopt_overlap_recompute": (
+        2,
+        ["--ulysses-degree", "2", *OVERLAP_RECOMPUTE],
+        OVERLAP_RECOMPUTE,
+    ),
+    "ulysses2_selective_recompute": (
+        2,
+        ["--ulysses-degree", "2", "--recompute-granularity", "selective"],
+        ["--recompute-granularity", "selective"],
+    ),
     # chunked linear cross-entropy (vocab-parallel over tp 2) and the sequence-tiled MLP
     # Megatron's sliding window (layer 2 full: --window-attn-skip-freq 2): the reference is Megatron's
     # own DotProductAttention with its sliding-window mask

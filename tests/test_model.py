@@ -25,4 +25,20 @@ def test_full_recompute_is_megatron_uniform_one_layer_and_bf16_sets_the_dtype():
     assert (c["recompute_method"], c["recompute_num_layers"]) == ("uniform", 1)
     assert c["bf16"] and c["params_dtype"] is torch.bfloat16
     c = _config_of(build_parser().parse_args(BASE))
-    assert c["recompute_method"] is None and c["params_dtype"] is torch.float32
+    assert c.get("recompute_method") is None and c["params_dtype"] is torch.float32
+    flags = ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "3"]
+    c = _config_of(build_parser().parse_args(BASE + flags))
+    assert (c["recompute_method"], c["recompute_num_layers"]) == ("block", 3)
+
+
+def test_memory_flags_reach_megatrons_configs():
+    """The DDP wrapper's settings and MoE / offloading keywords are Megatron-LM's for the same flags."""
+    from ulysses_mcore.megatron.trainer.model import _memory_of
+
+    args = build_parser().parse_args(BASE + ["--num-experts", "8", "--expert-model-parallel-size", "2"])
+    m = _memory_of(args)
+    assert (m["num_moe_experts"], m["expert_model_parallel_size"], m["moe_router_topk"]) == (8, 2, 2)
+    assert m["moe_token_dispatcher_type"] == "alltoall"
+    args = build_parser().parse_args(BASE + ["--fine-grained-activation-offloading", "--offload-modules", "core_attn"])
+    assert _memory_of(args) == dict(fine_grained_activation_offloading=True, offload_modules=["core_attn"])
+    assert _memory_of(build_parser().parse_args(BASE)) == {}

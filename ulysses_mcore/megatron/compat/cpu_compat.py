@@ -18,16 +18,24 @@ is installed only without CUDA (or with ``force``) and undone by :func:`remove`.
 5. CUDA streams: ``torch.cuda.Stream``, ``current_stream``, ``stream(...)`` and ``Event`` are
    torch's CPU stand-ins (megatron-core 0.19's DDP grad sync asks for the current stream
    unconditionally; Megatron-LM builds DDP inside a side stream).
+6. Megatron-Core's MoE router reads ``moe_utils.te_general_gemm``, which it defines only when
+   Transformer Engine imports: it is ``None`` (the router's own torch matmul) without TE.
+7. The pipeline schedules' ``deallocate_output_tensor`` swaps a sent output's storage for a
+   one-element tensor; gloo's asynchronous ``isend`` (the interleaved schedule overlaps its p2p)
+   still reads the old storage, which is then freed and reused: the next stage received garbage
+   (NaN at iteration 1 with Ulysses' allocations in between).  Each swapped-out storage is kept
+   until the next pipelined ``forward_backward`` starts (NCCL records the storage in its work:
+   GPUs need nothing).
 
 :func:`apply_megatron_lm` (idempotent; after :func:`apply`) -- for Megatron-LM's trainer:
 
-6. ``initialize_megatron`` runs with ``allow_no_cuda=True`` (it asserts CUDA otherwise).
-7. ``_initialize_distributed`` and ``_set_random_seed`` see one "device": without it they
+8. ``initialize_megatron`` runs with ``allow_no_cuda=True`` (it asserts CUDA otherwise).
+9. ``_initialize_distributed`` and ``_set_random_seed`` see one "device": without it they
    skip ``initialize_model_parallel`` and the model-parallel RNG seeds when
    ``torch.cuda.device_count() == 0``; ``torch.cuda.set_device`` is a no-op meanwhile.
-8. ``megatron.legacy.fused_kernels.load`` does nothing (CUDA kernels; the CPU path never
+10. ``megatron.legacy.fused_kernels.load`` does nothing (CUDA kernels; the CPU path never
    calls them), nor does ``_warmup_jit_function`` (it warms fused kernels up on CUDA tensors).
-9. ``get_device_arch_version`` answers 0 (no CUDA architecture: Megatron-LM keeps its
+11. ``get_device_arch_version`` answers 0 (no CUDA architecture: Megatron-LM keeps its
    pre-Blackwell rules, e.g. ``CUDA_DEVICE_MAX_CONNECTIONS=1`` with context parallelism).
 """
 
@@ -41,6 +49,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 _SAVED: dict = {}
+_ADDED: list = []  # (module, name) set where Megatron left a name undefined: deleted by remove()
+_SENT: list = []  # storages of pipeline outputs a gloo isend may still read (shim 7)
+_PIPELINED = ("forward_backward_pipelining_without_interleaving", "forward_backward_pipelining_with_interleaving")
 _MODE = None
 
 _CUDA_TYPE_NAMES = {
@@ -132,6 +143,12 @@ def apply(force: bool = False) -> bool:
     mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
     mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
 
+    _keep_sent_outputs()
+    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+        _ADDED.append((moe_utils, "te_general_gemm"))
+
     _MODE = _CpuForCuda()
     _MODE.__enter__()
     return True
@@ -148,6 +165,35 @@ def remove() -> None:
     for (modname, name), fn in _SAVED.items():
         setattr(importlib.import_module(modname), name, fn)
     _SAVED.clear()
+    for mod, name in _ADDED:
+        delattr(mod, name)
+    _ADDED.clear()
+    _SENT.clear()
+
+
+def _keep_sent_outputs() -> None:
+    """Shim 7: a pipeline output's storage outlives the gloo send that reads it."""
+    sched = importlib.import_module("megatron.core.pipeline_parallel.schedules")
+    free = sched.deallocate_output_tensor
+
+    @functools.wraps(free)
+    def deallocate_output_tensor(out, deallocate_pipeline_outputs=False):
+        if deallocate_pipeline_outputs and isinstance(out, torch.Tensor):
+            _SENT.append(out.data)
+        return free(out, deallocate_pipeline_outputs)
+
+    _patch(sched.__name__, "deallocate_output_tensor", deallocate_output_tensor)
+    for name in _PIPELINED:
+        _patch(sched.__name__, name, _after_last_sends(getattr(sched, name)))
+
+
+def _after_last_sends(schedule):
+    @functools.wraps(schedule)
+    def run(*a, **k):
+        _SENT.clear()  # the previous step's sends were received before its optimizer step
+        return schedule(*a, **k)
+
+    return run
 
 
 @contextlib.contextmanager
@@ -188,7 +234,7 @@ def _patch(modname: str, name: str, new) -> None:
 
 
 def apply_megatron_lm(force: bool = False) -> bool:
-    """Also adapt Megatron-LM's ``megatron.training`` (shims 6-9) when CUDA is absent; return
+    """Also adapt Megatron-LM's ``megatron.training`` (shims 8-11) when CUDA is absent; return
     whether they are active.  Needs Megatron-LM importable; applies :func:`apply` first."""
     if not apply(force):
         return False

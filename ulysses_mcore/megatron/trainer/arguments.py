@@ -26,6 +26,8 @@ _INT_MIN = {
     "global_batch_size": 1,
     "train_iters": 1,
     "log_interval": 1,
+    "expert_model_parallel_size": 1,
+    "moe_router_topk": 1,
     "make_vocab_size_divisible_by": 1,
     "eval_iters": 0,
     "lr_warmup_iters": 0,
@@ -40,6 +42,9 @@ _OPTIONAL_INT_MIN = {
     "exit_interval": 1,
     "loss_chunk_tokens": 1,
     "mlp_chunk_tokens": 1,
+    "recompute_num_layers": 1,
+    "num_layers_per_virtual_pipeline_stage": 1,
+    "num_experts": 1,
 }
 _NOTES = {
     "eval_iters": " (0: no evaluation)",
@@ -120,6 +125,98 @@ def check_ranges(args) -> None:
             )
     parse_split(args.split)
 
+
+_CPU = lambda: not torch.cuda.is_available()  # noqa: E731
+# Megatron-LM's memory features (docs/memory.md): each rule as Megatron-LM states it, then each feature that
+# cannot run here, refused by name with the reason before any process group starts
+_MEMORY_RULES = (
+    (
+        lambda a, t: (a.recompute_method or a.recompute_num_layers) and a.recompute_granularity != "full",
+        lambda a, t: (
+            f"--recompute-method / --recompute-num-layers ({a.recompute_method}, {a.recompute_num_layers}) choose "
+            "which layers full recompute re-runs: add --recompute-granularity full"
+        ),
+    ),
+    (
+        lambda a, t: (
+            a.recompute_method == "block"
+            and (a.recompute_num_layers or 1) > a.num_layers // a.pipeline_model_parallel_size
+        ),
+        lambda a, t: (
+            f"--recompute-method block --recompute-num-layers {a.recompute_num_layers}: a pipeline stage has only "
+            f"{a.num_layers // a.pipeline_model_parallel_size} layers; pass at most that many"
+        ),
+    ),
+    (
+        lambda a, t: a.overlap_param_gather and not (a.use_distributed_optimizer and a.overlap_grad_reduce),
+        lambda a, t: (
+            "--overlap-param-gather all-gathers the distributed optimizer's updated shards: it needs "
+            "--use-distributed-optimizer and --overlap-grad-reduce (Megatron-LM's rule)"
+        ),
+    ),
+    (
+        lambda a, t: a.grad_reduce_in_bf16 and not a.bf16,
+        lambda a, t: "--grad-reduce-in-bf16 reduces bf16 gradients: it needs --bf16",
+    ),
+    (
+        lambda a, t: a.num_layers_per_virtual_pipeline_stage is not None,
+        lambda a, t: (
+            f"--num-layers-per-virtual-pipeline-stage {a.num_layers_per_virtual_pipeline_stage}: this trainer "
+            "runs one model chunk per pipeline stage; the interleaved pipeline with Ulysses runs in Megatron-LM's "
+            "own pretrain_gpt.py through megatron_patches (docs/megatron-lm.md)"
+        ),
+    ),
+    (
+        lambda a, t: a.use_megatron_fsdp or a.use_torch_fsdp2,
+        lambda a, t: (
+            f"{'--use-megatron-fsdp' if a.use_megatron_fsdp else '--use-torch-fsdp2'}: this trainer wraps the model "
+            "in Megatron's DDP (with --use-distributed-optimizer the optimizer state and gradients are sharded over "
+            "the data-parallel x Ulysses ranks); for sharded weights run Megatron-LM's pretrain_gpt.py through "
+            "megatron_patches"
+        ),
+    ),
+    (
+        lambda a, t: a.num_experts and a.num_experts % a.expert_model_parallel_size,
+        lambda a, t: (
+            f"--num-experts {a.num_experts} must be divisible by --expert-model-parallel-size "
+            f"{a.expert_model_parallel_size}"
+        ),
+    ),
+    (
+        lambda a, t: a.expert_model_parallel_size > 1 and not a.num_experts,
+        lambda a, t: f"--expert-model-parallel-size {a.expert_model_parallel_size} splits experts: add --num-experts",
+    ),
+    (
+        lambda a, t: a.num_experts and _CPU(),
+        lambda a, t: (
+            f"--num-experts {a.num_experts}: Megatron-Core's MoE layer needs a GPU (on CPU its token dispatchers "
+            "fail inside Megatron with or without Ulysses: an in-place write to an all-gather's output, CUDA "
+            "events); drop --num-experts on CPU"
+        ),
+    ),
+    (
+        lambda a, t: a.optimizer_cpu_offload and not a.use_distributed_optimizer,
+        lambda a, t: "--optimizer-cpu-offload needs --use-distributed-optimizer (Megatron's rule)",
+    ),
+    (
+        lambda a, t: a.optimizer_cpu_offload and _CPU(),
+        lambda a, t: (
+            "--optimizer-cpu-offload moves Adam's state from the GPU to the host: on CPU it already is there "
+            "(and Megatron's hybrid-device optimizer refuses CPU weights); drop the flag on CPU"
+        ),
+    ),
+    (
+        lambda a, t: a.offload_modules and not a.fine_grained_activation_offloading,
+        lambda a, t: "--offload-modules names what --fine-grained-activation-offloading offloads: add that flag",
+    ),
+    (
+        lambda a, t: a.fine_grained_activation_offloading and _CPU(),
+        lambda a, t: (
+            "--fine-grained-activation-offloading copies activations to host memory on CUDA streams with "
+            "Transformer Engine's CPU offload: it needs a GPU with Transformer Engine; drop the flag on CPU"
+        ),
+    ),
+)
 
 # (the flags break this rule, the message naming them and the fix): checked in order, the first raises
 _CONSISTENCY = (
@@ -273,6 +370,7 @@ _CONSISTENCY = (
         lambda a, t: a.attention_backend in ("flash", "te") and not torch.cuda.is_available(),
         lambda a, t: f"--attention-backend {a.attention_backend} needs a CUDA GPU; use sdpa on CPU",
     ),
+    *_MEMORY_RULES,
     (
         lambda a, t: a.lr_warmup_iters >= a.train_iters and a.train_iters > 1,
         lambda a, t: f"--lr-warmup-iters {a.lr_warmup_iters} must be < --train-iters {a.train_iters}",
@@ -310,6 +408,7 @@ def validate(args, world_size: int):
         ulysses=args.ulysses_degree,
         cp=args.context_parallel_size,
         pp=args.pipeline_model_parallel_size,
+        ep=args.expert_model_parallel_size,
     )
     topo.check_model(args.num_attention_heads, args.num_query_groups, args.seq_length)
     for broken, message in _CONSISTENCY:

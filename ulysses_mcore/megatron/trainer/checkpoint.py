@@ -230,13 +230,20 @@ def writer_helpers_die_with_this_rank() -> None:
     _WRITER_MANAGER.append(manager)
 
 
+# the distributed optimizer's state as Megatron-LM saves it by default: per tensor x pipeline shard,
+# reshardable over the data-parallel x Ulysses x ring ranks (the fully reshardable format fails to load
+# in megatron-core 0.16 / 0.19 without apex or TE: its parameter state lacks Adam's step)
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable", "singleton_local_shards": False}
+
+
 def _write_state(tmp, iteration, model, optimizer, scheduler, consumed_samples, args):
     """The sharded model and optimizer (every rank) and the train state (rank 0) into ``tmp``:
     this rank's error, or None (a failed collective is raised: it is not a save failure)."""
     writer_helpers_die_with_this_rank()
     try:
         model_sd = model.module.sharded_state_dict()
-        dist_checkpointing.save({"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd)}, tmp)
+        opt_sd = optimizer.sharded_state_dict(model_sd, metadata=OPTIMIZER_METADATA)
+        dist_checkpointing.save({"model": model_sd, "optimizer": opt_sd}, tmp)
         if dist.get_rank() == 0:
             torch.save(
                 {

@@ -49,9 +49,7 @@ def train(args, topo, use_cuda, run):
     timer = TimingLog(args, model, optimizer, run.groups) if args.timing else None
     data.announce(run.consumed)
     reason = None
-    save = functools.partial(
-        save_checkpoint, args.save, model=model, optimizer=optimizer, scheduler=scheduler, args=args
-    )
+    save = functools.partial(_save, args, model, optimizer, scheduler)
     saved = True  # nothing trained since the checkpoint (or the start) yet
     while run.iteration < args.train_iters:
         _iteration(args, run, data, model, optimizer, scheduler, log, use_cuda)
@@ -68,6 +66,11 @@ def train(args, topo, use_cuda, run):
     if reason and dist.get_rank() == 0:
         print(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] exiting program {reason}", flush=True)
     return 0
+
+
+def _save(args, model, optimizer, scheduler, **state) -> None:
+    training.sync_params(model)  # --overlap-param-gather: the updated weights, not the previous step's
+    save_checkpoint(args.save, model=model, optimizer=optimizer, scheduler=scheduler, args=args, **state)
 
 
 def _is_logging_rank() -> bool:
@@ -88,6 +91,7 @@ def _initialize(args, topo):
         ulysses=1 if dynamic else topo.ulysses,
         cp=topo.cp,
         pp=topo.pp,
+        ep=topo.ep,
         distributed_timeout_minutes=max(1, int(math.ceil(args.distributed_timeout_minutes))),
         num_attention_heads=args.num_attention_heads,
         num_query_groups=args.num_query_groups,

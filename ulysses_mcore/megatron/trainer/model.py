@@ -5,6 +5,8 @@ dry run builds the same model (:func:`build_model`)."""
 from __future__ import annotations
 
 import torch
+from megatron.core import parallel_state as ps
+from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from ulysses_mcore.megatron.layer.memory import enable_chunked_loss
@@ -32,6 +34,7 @@ def build_trainable(args):
         adam_beta1=args.adam_beta1,
         adam_beta2=args.adam_beta2,
         adam_eps=args.adam_eps,
+        optimizer_cpu_offload=args.optimizer_cpu_offload,
     )
     scheduler = OptimizerParamScheduler(
         optimizer,
@@ -65,7 +68,9 @@ def build_model(args, *, vocab_size=None, wrap_ddp: bool = True, **config):
             normalization=args.normalization,
             mlp_chunk_tokens=args.mlp_chunk_tokens,
             dynamic=dynamic,
+            num_experts=args.num_experts,
         ),
+        ddp_config=ddp_config_of(args) if wrap_ddp else None,
         wrap_ddp=wrap_ddp,
     )
     if args.loss_chunk_tokens:
@@ -73,9 +78,52 @@ def build_model(args, *, vocab_size=None, wrap_ddp: bool = True, **config):
     return model, cfg
 
 
+def ddp_config_of(args) -> DistributedDataParallelConfig:
+    """Megatron's DDP settings of Megatron-LM's flags (its ``get_model``): the distributed optimizer's
+    sharded buffers, overlapped grad reduce (buckets of max(40M, 1M x dp x cp) elements, one bucket
+    without overlap) and param gather (aligned over the pipeline stages), the reduction's dtype."""
+    overlap = args.overlap_grad_reduce
+    dp_cp = ps.get_data_parallel_world_size(with_context_parallel=True)
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=not args.grad_reduce_in_bf16,
+        overlap_grad_reduce=overlap,
+        overlap_param_gather=args.overlap_param_gather,
+        align_param_gather=args.overlap_param_gather,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        bucket_size=max(40_000_000, 1_000_000 * dp_cp) if overlap else None,
+    )
+
+
+def _recompute_of(args) -> dict:
+    """Megatron's recompute keywords: --recompute-granularity full re-runs --recompute-num-layers
+    layers (default 1) --recompute-method uniform (default) or block; selective the core attention."""
+    if args.recompute_granularity != "full":
+        return dict(recompute_granularity=args.recompute_granularity)
+    return dict(
+        recompute_granularity="full",
+        recompute_method=args.recompute_method or "uniform",
+        recompute_num_layers=args.recompute_num_layers or 1,
+    )
+
+
+def _memory_of(args) -> dict:
+    """Megatron's MoE and fine-grained activation offloading keywords of the flags (none when off)."""
+    out = {}
+    if args.num_experts:
+        out |= dict(
+            num_moe_experts=args.num_experts,
+            expert_model_parallel_size=args.expert_model_parallel_size,
+            moe_router_topk=args.moe_router_topk,
+            moe_grouped_gemm=False,
+            moe_token_dispatcher_type="alltoall" if args.expert_model_parallel_size > 1 else "allgather",
+        )
+    if args.fine_grained_activation_offloading:
+        out |= dict(fine_grained_activation_offloading=True, offload_modules=list(args.offload_modules or []))
+    return out
+
+
 def _config_of(args) -> dict:
     """Megatron TransformerConfig keywords of the flags."""
-    full = args.recompute_granularity == "full"
     ffn = ModelShape.from_args(args, vocab_size=padded_vocab(args)).ffn_hidden_size  # Megatron-LM's default
     return dict(
         num_layers=args.num_layers,
@@ -93,7 +141,6 @@ def _config_of(args) -> dict:
         bf16=args.bf16,
         params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
         sequence_parallel=args.sequence_parallel,
-        recompute_granularity=args.recompute_granularity,
-        recompute_method="uniform" if full else None,
-        recompute_num_layers=1 if full else None,
+        **_recompute_of(args),
+        **_memory_of(args),
     )

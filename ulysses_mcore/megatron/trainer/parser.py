@@ -113,6 +113,7 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     )
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    _memory_flags(p.add_argument_group("memory, overlap and sharding (Megatron-LM's flags; docs/memory.md)"))
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=2)
     g.add_argument("--global-batch-size", type=int, default=8)
@@ -202,6 +203,25 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     return p
 
 
+def _memory_flags(g) -> None:
+    """Megatron-LM's memory and communication features, by its names (docs/memory.md says which run
+    on CPU and which are refused there, and why)."""
+    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
+    g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--overlap-param-gather", action="store_true")
+    g.add_argument("--grad-reduce-in-bf16", action="store_true")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--num-experts", type=int, default=None)
+    g.add_argument("--expert-model-parallel-size", type=int, default=1)
+    g.add_argument("--moe-router-topk", type=int, default=2)
+    g.add_argument("--optimizer-cpu-offload", action="store_true")
+    g.add_argument("--fine-grained-activation-offloading", action="store_true")
+    g.add_argument("--offload-modules", nargs="*", default=None)
+    g.add_argument("--use-megatron-fsdp", action="store_true")
+    g.add_argument("--use-torch-fsdp2", action="store_true")
+
+
 # flag -> (lowest allowed value, what it means); None flags are "not given"
 FLAG_HELP = {  # the help line of each flag that does not carry its own (Megatron-LM's meanings)
     "--tensor-model-parallel-size": "tensor-parallel ranks: the weights of each layer split over them "
@@ -229,6 +249,27 @@ FLAG_HELP = {  # the help line of each flag that does not carry its own (Megatro
     "transformer_engine, else sdpa), sdpa, flash (flash-attn), te (default: %(default)s)",
     "--recompute-granularity": "activation recompute: full (each layer's input kept, the layer recomputed in "
     "the backward) or selective (Megatron's core-attention recompute)",
+    "--recompute-method": "with --recompute-granularity full: uniform (every --recompute-num-layers layers "
+    "one checkpoint) or block (the first --recompute-num-layers layers of each stage recomputed; default uniform)",
+    "--recompute-num-layers": "with --recompute-granularity full: layers per checkpoint (uniform) or recomputed "
+    "layers per stage (block; default 1)",
+    "--overlap-grad-reduce": "reduce each gradient bucket while the backward goes on (Megatron's DDP)",
+    "--overlap-param-gather": "all-gather the updated weights during the next forward (needs "
+    "--use-distributed-optimizer and --overlap-grad-reduce)",
+    "--grad-reduce-in-bf16": "reduce gradients in bf16 instead of fp32 (needs --bf16)",
+    "--num-layers-per-virtual-pipeline-stage": "interleaved pipeline: layers per virtual stage (the trainer "
+    "refuses it: run Megatron-LM's pretrain_gpt.py through megatron_patches, docs/memory.md)",
+    "--num-experts": "MoE: experts per MoE layer (every layer; Megatron's SequentialMLP experts; GPU)",
+    "--expert-model-parallel-size": "MoE: ranks the experts are split over (default: %(default)s)",
+    "--moe-router-topk": "MoE: experts per token (default: %(default)s)",
+    "--optimizer-cpu-offload": "Adam's state and step on the host (Megatron's hybrid-device optimizer; GPU)",
+    "--fine-grained-activation-offloading": "offload the activations of --offload-modules to host memory "
+    "(Megatron's fine-grained offloading; needs CUDA streams: GPU)",
+    "--offload-modules": "with --fine-grained-activation-offloading: Megatron's module names (e.g. "
+    "attn_norm core_attn attn_proj mlp_norm expert_fc1 moe_act)",
+    "--use-megatron-fsdp": "shard weights, gradients and optimizer state over the data-parallel x Ulysses "
+    "ranks with Megatron-FSDP (GPU)",
+    "--use-torch-fsdp2": "the same with torch FSDP2 (GPU)",
     "--bf16": "bf16 weights and activations (fp32 gradients buffer, master weights and Adam state)",
     "--make-vocab-size-divisible-by": "pad the vocabulary to a multiple of this (default: %(default)s)",
     "--micro-batch-size": "samples per micro-batch on each data-parallel rank (default: %(default)s)",

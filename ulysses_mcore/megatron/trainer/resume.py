@@ -17,11 +17,13 @@ from typing import List
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from torch.distributed.checkpoint import FileSystemReader
 
 from ulysses_mcore.megatron.trainer.checkpoint import (
     MANIFEST,
     MODEL_FLAGS,
+    OPTIMIZER_METADATA,
     SCHEDULE_FLAGS,
     TRAIN_STATE,
     CheckpointError,
@@ -145,8 +147,33 @@ def inspect_checkpoint(args):
             + "; ".join(diff)
             + ". Use the checkpoint's model flags (parallel degrees may change freely)"
         )
+    _check_optimizer(load, saved, args)
     _check_schedule(load, extra["scheduler"], saved, args)
     return ckpt, extra, note
+
+
+def _check_optimizer(load, saved, args) -> None:
+    """The optimizer state's format: the distributed optimizer's is saved per tensor x pipeline shard
+    (Megatron's ``dp_reshardable``: the data-parallel x Ulysses x ring ranks may change, tp and pp not)."""
+    was = bool(saved.get("use_distributed_optimizer", False))
+    if "use_distributed_optimizer" in saved and was != args.use_distributed_optimizer:
+        raise CheckpointError(
+            f"--load {load}: the checkpoint's optimizer state was saved "
+            f"{'with' if was else 'without'} --use-distributed-optimizer: resume "
+            f"{'with' if was else 'without'} it"
+        )
+    moved = [
+        f"{flag_of(k)} {saved[k]} (checkpoint) vs {getattr(args, k)} (now)"
+        for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size")
+        if was and k in saved and saved[k] != getattr(args, k)
+    ]
+    if moved:
+        raise CheckpointError(
+            f"--load {load}: the distributed optimizer's state is saved per tensor x pipeline shard: "
+            + "; ".join(moved)
+            + ". Resume at the checkpoint's tp and pp (--ulysses-degree, --context-parallel-size and the "
+            "data-parallel size may change)"
+        )
 
 
 def _locate(load):
@@ -202,12 +229,46 @@ def _check_schedule(load, sched, saved, args):
     )
 
 
+def _allocate_adam_state(optimizer) -> None:
+    """Adam's state (zero moments, step 0) on each parameter of a torch Adam that has taken no step, to
+    be overwritten by the load: Megatron's distributed optimizer reads the step from that state when
+    neither apex nor Transformer Engine provides its fused Adam (the CPU, megatron-core 0.16 and 0.19)."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(opt, DistributedOptimizer) or not isinstance(inner, torch.optim.Adam) or inner.state:
+            continue
+        for group in inner.param_groups:
+            for p in group["params"]:
+                inner.state[p] = {
+                    "step": torch.tensor(0.0, device="cpu"),  # where torch Adam keeps it (not fused)
+                    "exp_avg": torch.zeros_like(p.data),
+                    "exp_avg_sq": torch.zeros_like(p.data),
+                }
+
+
+def _restore_adam_steps(optimizer) -> None:
+    """Each parameter's Adam step from its group's, as loaded: megatron-core's distributed optimizer
+    without apex / TE copies the placeholder step of :func:`_allocate_adam_state` over the loaded one
+    (it shares one step tensor between the parameters, then copies each parameter's template into it)."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(opt, DistributedOptimizer) or not isinstance(inner, torch.optim.Adam):
+            continue
+        for group in inner.param_groups:
+            if "step" in group:
+                for p in group["params"]:
+                    inner.state[p]["step"] = torch.tensor(float(group["step"]), device="cpu")
+
+
 def load_checkpoint(ckpt, extra, model, optimizer, scheduler):
     """Load an inspected checkpoint into the model, optimizer and scheduler: (iteration, consumed samples)."""
     model_sd = model.module.sharded_state_dict()
-    opt_sd = optimizer.sharded_state_dict(model_sd, is_loading=True)  # creates the Adam moments to fill
+    _allocate_adam_state(optimizer)
+    opt_sd = optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=OPTIMIZER_METADATA)  # Adam's moments
     state = dist_checkpointing.load({"model": model_sd, "optimizer": opt_sd}, ckpt)
     model.module.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    with torch.no_grad():  # fp32 weights: the distributed optimizer's main params are views of them
+        optimizer.load_state_dict(state["optimizer"])
+    _restore_adam_steps(optimizer)
     scheduler.load_state_dict(extra["scheduler"])
     return extra["iteration"], extra["consumed_samples"]

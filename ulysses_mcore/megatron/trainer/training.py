@@ -131,8 +131,21 @@ def build_gpt(
         )
     ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
     config.no_sync_func = ddp.no_sync
+    if ddp_config.overlap_grad_reduce:  # as Megatron-LM's train(): the schedule starts each bucket's reduce
+        config.grad_sync_func = ddp.start_grad_sync
+    if ddp_config.overlap_param_gather and ddp_config.align_param_gather:
+        config.param_sync_func = ddp.start_param_sync
     config.finalize_model_grads_func = finalize_model_grads
     return ddp
+
+
+def sync_params(model) -> None:
+    """With ``overlap_param_gather`` the distributed optimizer's step leaves the all-gather of the
+    updated weights to the next forward's pre-hooks: finish it now (before a checkpoint is written,
+    as Megatron-LM's ``disable_forward_pre_hook`` does).  A no-op without it."""
+    ddp_config = getattr(model, "ddp_config", None)
+    if ddp_config is not None and ddp_config.use_distributed_optimizer and ddp_config.overlap_param_gather:
+        model.start_param_sync(force_sync=True)
 
 
 def init_layout_independent(model, config, seed: int) -> int:
@@ -187,8 +200,12 @@ def build_optimizer(
     adam_beta1: float = 0.9,
     adam_beta2: float = 0.999,
     adam_eps: float = 1e-8,
+    optimizer_cpu_offload: bool = False,
 ):
-
+    """Megatron's optimizer (Adam) over ``model``'s parameters; ``use_distributed_optimizer`` must
+    match the DDP wrapper's (its buffers are sharded for it); ``optimizer_cpu_offload``: Megatron's
+    hybrid-device optimizer keeps Adam's state and step on the host (GPU only)."""
+    offload = dict(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0) if optimizer_cpu_offload else {}
     cfg = OptimizerConfig(
         optimizer="adam",
         lr=lr,
@@ -201,6 +218,7 @@ def build_optimizer(
         adam_beta1=adam_beta1,
         adam_beta2=adam_beta2,
         adam_eps=adam_eps,
+        **offload,
     )
     return get_megatron_optimizer(cfg, [model])
 
@@ -335,6 +353,7 @@ __all__ = [
     "build_gpt",
     "init_layout_independent",
     "build_optimizer",
+    "sync_params",
     "forward_backward",
     "train_step",
     "evaluate",

@@ -1,0 +1,147 @@
+"""Megatron-LM's memory and communication features in ``ulysses-mcore pretrain``, with and without
+``--ulysses-degree`` on the same two ranks: the distributed optimizer (overlapped grad reduce and param
+gather, a resume from its checkpoint), full recompute (uniform and block, ``--recompute-num-layers``),
+selective recompute, bf16 gradient reduction.  Each gives the losses of the run without Ulysses
+(``ulysses 2`` against ``dp 2``: the same global batch, the same initial model).  The features that
+cannot run on a CPU are refused by name before any process group (the flag checks' unit tests).
+One 2-rank world runs every case (tests/pretrain_cases.py)."""
+
+import csv
+import json
+import os
+
+import pytest
+
+from tests import helpers
+from ulysses_mcore.megatron.trainer.arguments import layout_problem
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE = [
+    "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128",
+    "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "4", "--lr-warmup-iters", "1",
+]  # fmt: skip
+DISTOPT = ["--use-distributed-optimizer"]
+OVERLAP = DISTOPT + ["--overlap-grad-reduce", "--overlap-param-gather"]
+FEATURES = {  # name -> flags; each runs at dp 2 and at ulysses 2
+    "distributed optimizer": DISTOPT,
+    "overlapped grad reduce and param gather": OVERLAP,
+    "full recompute, uniform, 2 layers": ["--recompute-granularity", "full", "--recompute-num-layers", "2"],
+    "full recompute, block, 3 layers": [
+        "--recompute-granularity",
+        "full",
+        "--recompute-method",
+        "block",
+        "--recompute-num-layers",
+        "3",
+    ],  # fmt: skip
+    "selective recompute": ["--recompute-granularity", "selective"],
+    "bf16 gradient reduction": ["--bf16", "--grad-reduce-in-bf16"],
+}
+RTOL = {"bf16 gradient reduction": 1e-3}  # bf16 arithmetic: the two layouts add in another order
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """{case name: metrics rows} of one 2-rank world over every case."""
+    from ulysses_mcore.megatron.trainer.data import EMBEDDED_CORPUS, read_documents, write_indexed_dataset
+
+    d = tmp_path_factory.mktemp("features")
+    prefix = str(d / "corpus")
+    write_indexed_dataset(read_documents(EMBEDDED_CORPUS), prefix, progress=False)
+    cases = []
+
+    def case(name, argv):
+        cases.append({"name": name, "argv": BASE + ["--data-path", prefix, "--log-dir", str(d / name)] + argv})
+
+    case("dp2", [])
+    case("dp2 bf16", ["--bf16"])
+    for name, flags in FEATURES.items():
+        case(f"{name} | dp2", flags)
+        case(f"{name} | u2", flags + ["--ulysses-degree", "2"])
+    ckpt = str(d / "ckpt")  # stopped at iteration 2 and resumed: the saved weights are the updated ones
+    case("overlap stop at 2 | u2", OVERLAP + ["--ulysses-degree", "2", "--save", ckpt, "--exit-interval", "2"])
+    case("overlap resumed | u2", OVERLAP + ["--ulysses-degree", "2", "--load", ckpt])
+    case("overlap resumed | dp2", OVERLAP + ["--load", ckpt])  # the optimizer state resharded over dp
+    (d / "cases.json").write_text(json.dumps(cases))
+    out = d / "out"
+    out.mkdir()
+    script = os.path.join(ROOT, "tests", "pretrain_cases.py")
+    res = helpers.run_ranks(2, [str(d / "cases.json"), str(out)], d, timeout=600, script=script)
+    assert all(rc == 0 for rc, _, _ in res), [e[-3000:] for _, _, e in res]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    rows = {}
+    for i, c in enumerate(cases):
+        assert [r[i]["rc"] for r in ranks] == [0, 0], (c["name"], ranks[0][i]["stderr"][-3000:])
+        with open(d / c["name"] / "metrics.csv") as f:
+            rows[c["name"]] = {
+                int(r["iteration"]): float(r["lm_loss"]) for r in csv.DictReader(f) if r["kind"] == "train"
+            }
+    return rows
+
+
+def _close(a, b, rtol):
+    assert sorted(a) == sorted(b), (a, b)
+    for it in a:
+        assert abs(a[it] - b[it]) <= rtol * abs(b[it]), (it, a[it], b[it])
+
+
+@pytest.mark.slow
+@pytest.mark.spawn
+@pytest.mark.parametrize("name", list(FEATURES))
+def test_feature_with_ulysses_gives_the_losses_without(world, name):
+    """Ulysses 2 against dp 2 with the feature on, and the feature against the plain run (it changes no math)."""
+    rtol = RTOL.get(name, 1e-5)
+    _close(world[f"{name} | u2"], world[f"{name} | dp2"], rtol)
+    _close(world[f"{name} | dp2"], world["dp2 bf16" if "--bf16" in FEATURES[name] else "dp2"], rtol)
+    assert len(world[f"{name} | u2"]) == 4
+
+
+@pytest.mark.slow
+@pytest.mark.spawn
+@pytest.mark.parametrize("layout", ["u2", "dp2"])
+def test_distributed_optimizer_resumes_exactly(world, layout):
+    """Stopped at iteration 2 (overlapped param gather: the saved weights are the updated ones) and
+    resumed at ulysses 2 or dp 2: iterations 3 and 4 are the uninterrupted run's (Adam's moments and
+    step restored)."""
+    full, resumed = world["overlapped grad reduce and param gather | u2"], world[f"overlap resumed | {layout}"]
+    assert sorted(world["overlap stop at 2 | u2"]) == [1, 2] and sorted(resumed) == [3, 4]
+    _close(resumed, {i: full[i] for i in (3, 4)}, 1e-6)
+
+
+REFUSED = [  # (flags, the words the refusal must hold): before any process group, the same on every rank
+    (["--recompute-num-layers", "2"], "add --recompute-granularity full"),
+    (
+        ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "5"],
+        "has only 4 layers",
+    ),
+    (["--overlap-param-gather", "--overlap-grad-reduce"], "needs --use-distributed-optimizer"),
+    (["--grad-reduce-in-bf16"], "needs --bf16"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"], "pretrain_gpt.py"),
+    (["--use-megatron-fsdp"], "--use-megatron-fsdp: this trainer wraps"),
+    (["--use-torch-fsdp2"], "--use-torch-fsdp2: this trainer wraps"),
+    (["--num-experts", "3", "--expert-model-parallel-size", "2"], "divisible by --expert-model-parallel-size"),
+    (["--expert-model-parallel-size", "2"], "add --num-experts"),
+    (["--optimizer-cpu-offload"], "needs --use-distributed-optimizer"),
+    (["--offload-modules", "core_attn"], "add that flag"),
+]
+CPU_ONLY_REFUSED = [
+    (["--num-experts", "4"], "--num-experts 4: Megatron-Core's MoE layer needs a GPU"),
+    (["--optimizer-cpu-offload", "--use-distributed-optimizer"], "--optimizer-cpu-offload moves Adam's state"),
+    (["--fine-grained-activation-offloading"], "--fine-grained-activation-offloading copies activations"),
+]
+
+
+@pytest.mark.parametrize("flags,needle", REFUSED, ids=[" ".join(f) for f, _ in REFUSED])
+def test_inconsistent_memory_flags_are_refused_by_name(flags, needle):
+    problem = layout_problem(BASE + ["--num-layers", "4"] + flags, 4)
+    assert needle in problem, problem
+
+
+@pytest.mark.parametrize("flags,needle", CPU_ONLY_REFUSED, ids=[" ".join(f) for f, _ in CPU_ONLY_REFUSED])
+def test_gpu_features_are_refused_on_cpu_with_the_reason(flags, needle):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU: these features run")
+    problem = layout_problem(BASE + flags, 2)
+    assert needle in problem, problem
