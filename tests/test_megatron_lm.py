@@ -151,9 +151,9 @@ LAYOUTS = {
     # the interleaved schedule overlaps its p2p: a sent output's storage must outlive gloo's isend (cpu_compat)
     "pp2_vpp2_ulysses2": (4, [*VPP, "--ulysses-degree", "2"], VPP),
     # Megatron's memory features (docs/memory.md): sharded optimizer state, both overlaps, full recompute
-    "ulysses2_distopt_overlap_recompute": (
+    "ulysses2_distopt_overlap_recompute_offload": (
         2,
-        ["--ulysses-degree", "2", *OVERLAP_RECOMPUTE],
+        ["--ulysses-degree", "2", *OVERLAP_RECOMPUTE, "--offload-activation-checkpoints"],
         OVERLAP_RECOMPUTE,
     ),
     "ulysses2_selective_recompute": (
@@ -195,6 +195,8 @@ def test_loss_lines_equal_without_ulysses(layout):
     assert "[ulysses-mcore] parallel axes in force" in got[2]
     if "--loss-chunk-tokens" in with_u:
         assert "[ulysses-mcore] loss: chunked linear cross-entropy, 20 tokens at a time" in got[2]
+    if "--offload-activation-checkpoints" in with_u:
+        assert "[ulysses-mcore] activation checkpoints: in pinned host memory" in got[2]
     want = run_megatron_lm(world, without)
     assert "[ulysses-mcore]" not in want[2]  # no flag: Megatron-LM's own attention, untouched
     assert_same_lines(got, want, range(1, 5), layout)

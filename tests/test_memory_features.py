@@ -35,6 +35,7 @@ FEATURES = {  # name -> flags; each runs at dp 2 and at ulysses 2
         "3",
     ],  # fmt: skip
     "selective recompute": ["--recompute-granularity", "selective"],
+    "activation checkpoints in host memory": ["--recompute-granularity", "full", "--offload-activation-checkpoints"],
     "bf16 gradient reduction": ["--bf16", "--grad-reduce-in-bf16"],
 }
 RTOL = {"bf16 gradient reduction": 1e-3}  # bf16 arithmetic: the two layouts add in another order
@@ -76,6 +77,7 @@ def world(tmp_path_factory):
             rows[c["name"]] = {
                 int(r["iteration"]): float(r["lm_loss"]) for r in csv.DictReader(f) if r["kind"] == "train"
             }
+        rows[c["name"], "stdout"] = ranks[0][i]["stdout"]
     return rows
 
 
@@ -145,3 +147,16 @@ def test_gpu_features_are_refused_on_cpu_with_the_reason(flags, needle):
         pytest.skip("a GPU: these features run")
     problem = layout_problem(BASE + flags, 2)
     assert needle in problem, problem
+
+
+@pytest.mark.slow
+@pytest.mark.spawn
+@pytest.mark.parametrize("layout,micro_batches", [("dp2", 4 * 2), ("u2", 4 * 4)])
+def test_offload_moves_every_layers_checkpoint(world, layout, micro_batches):
+    """Each micro-batch's forward moved at least its 4 layers' inputs to host memory (and the backward
+    brought them back: the losses above are the run's without offload).  Micro-batches a rank: 4
+    iterations x global batch 8 / (micro-batch 2 x data-parallel size)."""
+    out = world[f"activation checkpoints in host memory | {layout}", "stdout"]
+    line = next(ln for ln in out.splitlines() if "activation checkpoints in host memory" in ln)
+    moved, peak = int(line.split(": ")[1].split()[0]), float(line.split("peak ")[1].split()[0])
+    assert moved >= 4 * micro_batches and peak > 0, line

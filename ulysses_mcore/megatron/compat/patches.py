@@ -44,12 +44,14 @@ import os
 import sys
 from typing import Dict, Tuple
 
+import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from ulysses_mcore.megatron.layer.groups import remember
 from ulysses_mcore.megatron.layer.memory import enable_chunked_loss
+from ulysses_mcore.megatron.layer.offload import enable_activation_offload
 from ulysses_mcore.megatron.layer.module import UlyssesAttention
 from ulysses_mcore.megatron.layer.specs import swap_core_attention, swap_mlp
 from ulysses_mcore.topology import Topology, TopologyError
@@ -69,7 +71,7 @@ class PatchState:
         self.reset()
 
     def reset(self):
-        self.settings.update(ulysses=1, cp=1, backend="auto", loss_chunk=None, mlp_chunk=None)
+        self.settings.update(ulysses=1, cp=1, backend="auto", loss_chunk=None, mlp_chunk=None, offload=0)
         self.local_spec.clear()
 
     def install(self):
@@ -132,6 +134,12 @@ def add_ulysses_args(parser):
         help="output layer + cross-entropy this many tokens at a time (no whole logits; default off)",
     )
     g.add_argument(
+        "--offload-activation-checkpoints",
+        action="store_true",
+        help="the tensors the forward saves for the backward (each layer's input under full recompute) in "
+        "pinned host memory, prefetched one layer ahead (default off)",
+    )
+    g.add_argument(
         "--mlp-chunk-tokens",
         type=int,
         default=None,
@@ -158,10 +166,18 @@ def fold_args(args):
         backend=getattr(args, "ulysses_attention_backend", "auto"),
         loss_chunk=getattr(args, "loss_chunk_tokens", None),
         mlp_chunk=getattr(args, "mlp_chunk_tokens", None),
+        offload=_offload_min_bytes(args) if getattr(args, "offload_activation_checkpoints", False) else 0,
     )
     if ulysses > 1:
         _use_ulysses_in_local_spec()
     return args
+
+
+def _offload_min_bytes(args) -> int:
+    """Half a layer input's bytes on one rank: what --offload-activation-checkpoints moves is that large or larger."""
+    shards = (args.context_parallel_size or 1) * (args.tensor_model_parallel_size if args.sequence_parallel else 1)
+    size = 2 if getattr(args, "bf16", False) or getattr(args, "fp16", False) else 4
+    return max(1, args.seq_length // shards * args.micro_batch_size * args.hidden_size * size // 2)
 
 
 DYNAMIC_REFUSED = (
@@ -302,13 +318,18 @@ def _wrap_setup_model(fn):
     def setup_model_and_optimizer(*a, **kw):
         out = fn(*a, **kw)
         models = out[0]
-        if _STATE.get("loss_chunk"):
-            for m in models if isinstance(models, list) else [models]:
-                core = m
-                while not hasattr(core, "output_layer") and hasattr(core, "module"):
-                    core = core.module  # DDP -> Float16Module -> GPTModel
+        for m in models if isinstance(models, list) else [models]:
+            core = m
+            while not hasattr(core, "output_layer") and hasattr(core, "module"):
+                core = core.module  # DDP -> Float16Module -> GPTModel
+            if _STATE.get("loss_chunk"):
                 enable_chunked_loss(core, _STATE["loss_chunk"])
+            if _STATE.get("offload"):
+                enable_activation_offload(core, min_bytes=_STATE["offload"], copy_host=not torch.cuda.is_available())
+        if _STATE.get("loss_chunk"):
             _say(f"loss: chunked linear cross-entropy, {_STATE['loss_chunk']} tokens at a time")
+        if _STATE.get("offload"):
+            _say("activation checkpoints: in pinned host memory, prefetched one layer ahead")
         return out
 
     setup_model_and_optimizer._ulysses = True

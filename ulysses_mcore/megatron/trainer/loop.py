@@ -63,9 +63,21 @@ def train(args, topo, use_cuda, run):
             break
     if args.save and not saved:  # the last iteration, or an exit (nothing is saved again when nothing was trained)
         save(iteration=run.iteration, consumed_samples=run.consumed)
+    _report_offload(model)
     if reason and dist.get_rank() == 0:
         print(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] exiting program {reason}", flush=True)
     return 0
+
+
+def _report_offload(model) -> None:
+    """--offload-activation-checkpoints: what went to host memory over the run (rank 0's)."""
+    stats = getattr(getattr(model, "module", model), "_offload_stats", None)
+    if stats is not None and dist.get_rank() == 0:
+        print(
+            f"[ulysses-mcore] activation checkpoints in host memory: {stats['tensors']} tensors moved, peak "
+            f"{stats['peak_host_bytes'] / 1e9:.3g} GB per rank",
+            flush=True,
+        )
 
 
 def _save(args, model, optimizer, scheduler, **state) -> None:

@@ -113,6 +113,13 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     )
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument(
+        "--offload-activation-checkpoints",
+        action="store_true",
+        help="keep the tensors the forward saves for the backward (with --recompute-granularity full: each "
+        "layer's input) in pinned host memory, prefetched back one layer ahead in the backward (ALST's "
+        "offload; on a CPU the same copies are made host to host)",
+    )
     _memory_flags(p.add_argument_group("memory, overlap and sharding (Megatron-LM's flags; docs/memory.md)"))
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=2)

@@ -1,0 +1,131 @@
+"""Activation checkpoints in pinned host memory, prefetched for the backward (ALST's offload).
+
+Under full recompute (``--recompute-granularity full``) each checkpointed layer keeps only its
+input ``[s/P, b, h]`` for the backward -- ``layers x s/P x b x h`` bytes that grow with the
+sequence and do not shrink with recompute.  Megatron-Core's own fine-grained activation offloading
+moves the tensors of named sub-modules through Transformer Engine's CPU offload; it does not take
+the inputs Megatron's ``CheckpointFunction`` saves.  :func:`enable_activation_offload` runs a built
+``GPTModel``'s forward under :class:`HostOffload`, torch's saved-tensor hooks:
+
+* pack (forward): a CUDA tensor of at least ``min_bytes`` is copied into a pinned host buffer on a
+  side stream (the device copy is released once the copy is done: ``record_stream``);
+* unpack (backward): the tensor comes back on the side stream, the compute stream waits for it, and
+  the copy of the tensor the backward needs next (the one saved before it in the same forward) is
+  started, so the transfer of layer ``i - 1`` overlaps the recompute of layer ``i``.
+
+The hooks see only the forward (the recompute in the backward saves its tensors on the device, as
+it must).  Values are copied, never changed: the math is the run's without offload.  On a CPU the
+tensors already live in host memory and nothing is copied (``copy_host=True`` copies them anyway,
+through the same bookkeeping: the tests' exactness check).  ``host_bytes`` / ``peak_host_bytes``
+count what sits on the host.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import List, Optional
+
+import torch
+
+
+class _Saved:
+    """One offloaded tensor: its host copy, where it goes back, and its copy back once started."""
+
+    __slots__ = ("host", "device", "event", "back", "previous")
+
+    def __init__(self, host, device, event, previous):
+        self.host, self.device, self.event, self.back, self.previous = host, device, event, None, previous
+
+
+class HostOffload(torch.autograd.graph.saved_tensors_hooks):
+    """Saved tensors of ``min_bytes`` or more to pinned host memory, each prefetched back for the
+    backward while the one saved after it is in use.
+
+    ``min_bytes``: smaller tensors stay where they are (weights' views, masks, scalars);
+    ``copy_host``: copy CPU tensors too (the tests: the bookkeeping without a GPU).  One instance per
+    forward: its saves form one chain that the backward walks in reverse."""
+
+    def __init__(self, min_bytes: int = 1 << 20, *, copy_host: bool = False, stats: Optional[dict] = None):
+        self.min_bytes, self.copy_host = min_bytes, copy_host
+        self.stats = stats if stats is not None else {"host_bytes": 0, "peak_host_bytes": 0, "tensors": 0}
+        self.last: Optional[_Saved] = None
+        self.stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+        super().__init__(self._pack, self._unpack)
+
+    def _eligible(self, t: torch.Tensor) -> bool:
+        big = t.numel() * t.element_size() >= self.min_bytes
+        return big and (t.is_cuda or (self.copy_host and t.device.type == "cpu"))
+
+    def _pack(self, t: torch.Tensor):
+        if not self._eligible(t):
+            return t
+        event = None
+        if t.is_cuda and self.stream is None:  # the dry run's fake CUDA: no streams, the bytes move all the same
+            host = t.detach().to("cpu")
+        elif t.is_cuda:
+            host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+            self.stream.wait_stream(torch.cuda.current_stream(t.device))
+            with torch.cuda.stream(self.stream):
+                host.copy_(t, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+            t.record_stream(self.stream)  # the device memory is free again once the copy has run
+        else:
+            host = t.detach().clone()
+        self._count(host, +1)
+        self.last = _Saved(host, t.device, event, self.last)
+        return self.last
+
+    def _unpack(self, saved):
+        if not isinstance(saved, _Saved):
+            return saved
+        if saved.back is None:
+            self._fetch(saved)
+        out = saved.back
+        if saved.device.type == "cuda" and self.stream is not None:
+            torch.cuda.current_stream(saved.device).wait_stream(self.stream)
+        if saved.previous is not None and saved.previous.back is None:
+            self._fetch(saved.previous)  # the next one the backward needs: overlaps this layer's recompute
+        if saved.host is not None:
+            self._count(saved.host, -1)
+            saved.host = None
+        return out
+
+    def _fetch(self, saved: _Saved) -> None:
+        if saved.device.type != "cuda":
+            saved.back = saved.host.clone()
+            return
+        if self.stream is None:
+            saved.back = saved.host.to(saved.device)
+            return
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(saved.event)
+            saved.back = saved.host.to(saved.device, non_blocking=True)
+
+    def _count(self, host: torch.Tensor, sign: int) -> None:
+        s = self.stats
+        s["host_bytes"] += sign * host.numel() * host.element_size()
+        s["peak_host_bytes"] = max(s["peak_host_bytes"], s["host_bytes"])
+        s["tensors"] += max(sign, 0)
+
+
+def enable_activation_offload(model, *, min_bytes: int = 1 << 20, copy_host: bool = False) -> dict:
+    """Run ``model``'s forward (a built Megatron-Core ``GPTModel``) under :class:`HostOffload`, one
+    chain per forward; returns the stats record the hooks keep (``host_bytes``, ``peak_host_bytes``,
+    ``tensors``).  Idempotent."""
+    if getattr(model, "_offload_stats", None) is not None:
+        return model._offload_stats
+    stats = {"host_bytes": 0, "peak_host_bytes": 0, "tensors": 0}
+    forward = model.forward
+
+    @functools.wraps(forward)
+    def offloaded(*args, **kwargs):
+        with HostOffload(min_bytes, copy_host=copy_host, stats=stats):
+            return forward(*args, **kwargs)
+
+    model.forward = offloaded
+    model._offload_stats = stats
+    return stats
+
+
+__all__: List[str] = ["HostOffload", "enable_activation_offload"]
