@@ -46,3 +46,24 @@ def test_budget_with_a_calibration_prices_each_longest_sequence(tmp_path, capsys
         assert tps == pytest.approx(want) and reach.startswith("extrapolates")
     assert plan.main([*FLAGS, "--budget-gb", "1", "--calibration", path]) == 0
     assert "tokens/s per GPU, extrapolates" in capsys.readouterr().out
+
+
+def test_longest_takes_megatron_lms_model_flags_and_ends_with_the_dry_run(capsys):
+    """plan --longest: the longest sequence with its layout and memory flags, the host memory a node, and
+    on its last line the dry run of that plan with the model flags as given (Megatron-LM's names)."""
+    model = "--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --group-query-attention --num-query-groups 8"
+    model += " --ffn-hidden-size 14336 --swiglu --normalization RMSNorm --untie-embeddings-and-output-weights"
+    model += " --vocab-size 128256"
+    assert plan.main(["--longest", "--preset", "h100", "--world-size", "8", *model.split()]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("longest sequence on 8 x h100 (80 GB, 8% left to the allocator: 73.6 GB a GPU): ")
+    assert any(ln.strip().startswith("memory flags: --bf16 --use-distributed-optimizer") for ln in lines)
+    assert any("GB a node" in ln for ln in lines)
+    seq = int(lines[0].rsplit(": ", 1)[1].split()[0].replace(",", ""))
+    assert lines[-1].startswith("ulysses-mcore dryrun " + model)
+    assert f"--seq-length {seq} " in lines[-1] and lines[-1].endswith("--world-size 8 --preset h100")
+
+
+def test_longest_needs_a_world_size():
+    with pytest.raises(SystemExit, match="--world-size"):
+        plan.main(["--longest", *FLAGS])

@@ -55,3 +55,34 @@ def test_every_rank_kind_runs_its_route_with_the_models_flops_and_the_plans_memo
         assert r.step_s > 0
     top = max(reports, key=lambda r: r.peak_gb)  # the plan sizes the busiest rank (the last stage: the loss)
     assert abs(top.plan["total_bytes"] / top.peak_gb - 1) < 0.10, [(r.kind, r.peak_gb) for r in reports] + [top.plan]
+
+
+def test_the_longest_plan_runs_on_fake_cuda_with_every_memory_feature_and_fits(capsys):
+    """plan --longest's last line, run as it is: full recompute with the layer inputs offloaded (measured
+    host memory), the optimizer state on the host, chunked loss and MLP, at the planned length; the last
+    line says it fits the preset, and the plan did not promise less than the dry run measured."""
+    from ulysses_mcore.cli import dryrun as cli_dryrun
+    from ulysses_mcore.cli import plan
+
+    model = "--num-layers 2 --hidden-size 8192 --num-attention-heads 64 --group-query-attention --num-query-groups 8"
+    model += " --ffn-hidden-size 28672 --swiglu --normalization RMSNorm --vocab-size 128256"
+    assert plan.main(["--longest", "--preset", "h100", "--world-size", "8", *model.split()]) == 0
+    command = capsys.readouterr().out.splitlines()[-1].split()
+    assert command[:2] == ["ulysses-mcore", "dryrun"]
+    assert cli_dryrun.main(command[2:]) == 0
+    out = capsys.readouterr().out
+    last = out.splitlines()[-1]
+    assert "fits h100: yes" in last, out
+    peak = float(last.split("peak ")[1].split()[0])
+    planned = float(last.split("(plan ")[1].split()[0])
+    assert planned >= peak, last
+    host = float(last.split("host memory ")[1].split()[0])
+    assert host > 0 and "optimizer 0.00 (modelled)" in out  # the optimizer state and layer inputs on the host
+
+
+def test_fits_line_keeps_the_allocators_share_free():
+    from ulysses_mcore.cli.dryrun import fits_line
+
+    assert fits_line(73.5, "h100") == "fits h100: yes (peak 73.5 of 80 GB, 8% kept free)"
+    assert fits_line(73.7, "h100").startswith("fits h100: no")
+    assert fits_line(120.0, "h200").startswith("fits h200: yes")

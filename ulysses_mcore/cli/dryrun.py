@@ -16,6 +16,8 @@ import json
 import sys
 from dataclasses import asdict
 
+from ulysses_mcore.planning.step_time import PRESETS
+
 
 def build_parser():
     from ulysses_mcore.megatron.trainer.parser import build_parser as pretrain_parser  # --help stays light
@@ -31,6 +33,7 @@ def build_parser():
     )
     g.add_argument("--preset", choices=["h100", "h200"], default="h100", help="GPU of the step-time prediction")
     g.add_argument("--json", action="store_true", help="print the reports as JSON")
+    p.set_defaults(fake_cuda=True)  # the GPU-only features are sized, not refused
     return p
 
 
@@ -44,7 +47,7 @@ def _line(r) -> str:
             f"  attention kernels: forward {kernels}; backward {back}",
             f"  memory GB: parameters {r.params_gb:.2f} (measured), gradients {r.grads_gb:.2f} (modelled), "
             f"optimizer {r.optimizer_gb:.2f} (modelled), activations {r.activations_gb:.2f} (measured, forward peak)"
-            f" -> peak {r.peak_gb:.2f}",
+            f" -> peak {r.peak_gb:.2f}; host {r.host_gb:.2f}",
             f"  plan GB:   weights {p['weights_bytes']:.2f}, gradients {p['grads_bytes']:.2f}, optimizer "
             f"{p['optimizer_bytes']:.2f}, activations + loss {p['activations_bytes'] + p['loss_transient_bytes']:.2f}"
             f" -> peak {p['total_bytes']:.2f} ({100 * (p['total_bytes'] / r.peak_gb - 1):+.1f}%)",
@@ -94,10 +97,19 @@ def main(argv=None) -> int:
     else:
         print("\n".join(_line(r) for r in reports))
     top = max(reports, key=lambda r: r.peak_gb)
+    node = min(args.world_size, PRESETS[args.preset]["gpus_per_node"])
     print(
         f"dry run: world {args.world_size}, {_layout(args)}: peak {top.peak_gb:.1f} GB "
         f"(plan {top.plan['total_bytes']:.1f} GB), forward {top.forward_tflop['total']:.1f} TFLOP, "
         f"all-to-all {top.all_to_all_gb_per_layer * args.num_layers / args.pipeline_model_parallel_size:.2f} GB, "
-        "host reads 0, device mismatches 0"
+        f"host memory {max(r.host_gb for r in reports) * node:.1f} GB a node, host reads 0, device mismatches 0; "
+        + fits_line(top.peak_gb, args.preset)
     )
     return 0
+
+
+def fits_line(peak_gb: float, preset: str, headroom: float = 0.08) -> str:
+    """``fits <preset>: yes|no (peak P of C GB)``: the peak against the GPU's memory less the allocator's share."""
+    capacity = PRESETS[preset]["memory_gb"]
+    ok = peak_gb <= capacity * (1 - headroom)
+    return f"fits {preset}: {'yes' if ok else 'no'} (peak {peak_gb:.1f} of {capacity:g} GB, {headroom:.0%} kept free)"

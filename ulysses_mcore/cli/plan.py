@@ -11,7 +11,8 @@ from ..planning.memory_model import estimate, longest_sequence
 from ..flags import explain
 from ..planning.calibration import Calibration, CalibrationError
 from ..planning.shape import ModelShape
-from ..planning.step_time import Run, predict
+from ..planning.longest import MEMORY_FLAGS, Cluster, dryrun_command, longest
+from ..planning.step_time import PRESETS, Run, predict
 from ..topology import Topology
 
 
@@ -46,6 +47,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget-gb", type=float)
     p.add_argument("--calibration", default=None)
     p.add_argument("--json", action="store_true")
+    g = p.add_argument_group("--longest: the longest sequence a cluster trains (Megatron-LM's model flags)")
+    g.add_argument("--longest", action="store_true")
+    g.add_argument("--preset", choices=sorted(PRESETS), default="h100")
+    g.add_argument("--world-size", type=int, default=None)
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default=None)
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--position-embedding-type", choices=["rope", "learned_absolute"], default=None)
+    g.add_argument("--disable-bias-linear", action="store_true")
     explain(p, PLAN_HELP)
     return p
 
@@ -73,6 +83,15 @@ PLAN_HELP = {
     "--calibration": "with --budget-gb: each longest sequence's tokens/s per GPU by this calibration "
     "(`ulysses-mcore fit --out DIR`'s DIR/calibration.json)",
     "--json": "print the estimate as JSON",
+    "--longest": "the longest --seq-length that fits --world-size GPUs of --preset (8%% of each GPU's memory left "
+    "to the allocator), over every layout and with every memory feature; its last line is the dry run that checks it",
+    "--preset": "the GPU of --longest (default: %(default)s)",
+    "--world-size": "GPUs of --longest",
+    "--group-query-attention": "grouped-query attention with --num-query-groups KV heads (Megatron-LM's flag)",
+    "--normalization": "LayerNorm or RMSNorm (passed to the dry run's command)",
+    "--untie-embeddings-and-output-weights": "a separate output layer (passed to the dry run's command)",
+    "--position-embedding-type": "rope or learned_absolute (passed to the dry run's command)",
+    "--disable-bias-linear": "no linear biases (passed to the dry run's command)",
 }
 
 
@@ -135,8 +154,61 @@ def _speeds(a, longest: dict) -> dict:
     return out
 
 
+def _model_flags(a) -> list:
+    """The trainer's model flags of the parsed ones (Megatron-LM's names), for the dry run's command."""
+    out = ["--num-layers", a.num_layers, "--hidden-size", a.hidden_size, "--num-attention-heads", a.num_attention_heads]
+    if a.num_query_groups or a.group_query_attention:
+        out += ["--group-query-attention", "--num-query-groups", a.num_query_groups or 1]
+    out += ["--ffn-hidden-size", a.ffn_hidden_size] if a.ffn_hidden_size else []
+    out += ["--swiglu"] if a.swiglu else []
+    out += ["--normalization", a.normalization] if a.normalization else []
+    out += ["--position-embedding-type", a.position_embedding_type] if a.position_embedding_type else []
+    out += ["--untie-embeddings-and-output-weights"] if a.untie_embeddings_and_output_weights else []
+    out += ["--disable-bias-linear"] if a.disable_bias_linear else []
+    return [str(x) for x in out] + ["--vocab-size", str(a.vocab_size)]
+
+
+def _longest(a) -> int:
+    """``--longest``: the plan, runners-up, and the dry run's command on the last line."""
+    if not a.world_size or a.world_size < 1:
+        raise SystemExit("error: plan --longest needs --world-size N (the GPUs of the cluster), e.g. --world-size 8")
+    if a.group_query_attention and a.num_query_groups is None:
+        a.num_query_groups = 1  # Megatron-LM's default
+    cluster = Cluster(a.world_size, a.preset)
+    plans = longest(ModelShape.from_args(a), cluster)
+    if not plans or not plans[0].seq_length:
+        raise SystemExit(
+            f"error: no layout of {a.world_size} x {a.preset} fits this model in {cluster.budget_bytes / 1e9:.1f} GB "
+            "a GPU even at the shortest sequence: add GPUs"
+        )
+    best = plans[0]
+    e = {k: v / 1e9 for k, v in best.estimate.items() if k.endswith("_bytes")}
+    print(
+        f"longest sequence on {a.world_size} x {a.preset} ({cluster.memory_gb:g} GB, {cluster.headroom:.0%} left to the "
+        f"allocator: {cluster.budget_bytes / 1e9:.1f} GB a GPU): {best.seq_length:,} tokens"
+    )
+    print(f"  layout: {_words(best.layout)}; {best.tokens_per_s_per_gpu:,.0f} tokens/s per GPU predicted")
+    print(f"  memory flags: {' '.join(MEMORY_FLAGS)}")
+    print(
+        f"  planned peak {e['total_bytes']:.1f} GB a GPU: weights {e['weights_bytes']:.1f}, gradients "
+        f"{e['grads_bytes']:.1f}, activations {e['activations_bytes']:.1f}, step transients "
+        f"{e['step_transient_bytes'] - e['activations_bytes']:.1f}; host memory {best.host_gb_per_node:,.0f} GB a node "
+        "(offloaded layer inputs and optimizer state)"
+    )
+    for p in plans[1:4]:
+        print(f"  then: {_words(p.layout)}: {p.seq_length:,} tokens, {p.tokens_per_s_per_gpu:,.0f} tokens/s per GPU")
+    print(dryrun_command(_model_flags(a), best, cluster))
+    return 0
+
+
+def _words(lay) -> str:
+    return f"tp {lay.tp} x ulysses {lay.ulysses} x cp {lay.cp} x pp {lay.pp} x dp {lay.dp}"
+
+
 def main(argv=None):
     a = build_parser().parse_args(argv)
+    if a.longest:
+        return _longest(a)
     kw = _model_keywords(a)
     est = estimate(seq_length=a.seq_length, ulysses=a.ulysses, **kw)
     out = {"estimate": est}

@@ -14,7 +14,10 @@ no s x s matrix):
   attention *in its head-sharded form* (all tokens, ``1/ulysses`` of the heads: the same
   bytes as ``1/ulysses`` of the tokens), the softmax log-sum-exp, the MLP activation input;
   plus the last stage's norm, logits input and cross-entropy softmax.  Full recompute keeps
-  only each layer's input.
+  only each layer's input (and one layer's activations, all-to-all buffers and ring blocks during
+  its recompute); with ``--offload-activation-checkpoints`` those inputs live in host
+  memory (``host_bytes``) and two of them on the device (the one in use, the one prefetched);
+  with ``--optimizer-cpu-offload`` Adam's state and master weights are host memory too.
 * all-to-all bytes sent per rank per layer: ``(P-1)/P`` of the local q, k, v (kv heads
   replicated where they are fewer than P) and of the output, forward and backward.
 
@@ -66,6 +69,8 @@ class _Shape:
     mlp_chunk_tokens: Optional[int] = None
     runtime_bytes: float = 0
     torch_adam: bool = False
+    offload: bool = False  # --offload-activation-checkpoints: the layer inputs in host memory
+    optimizer_offload: bool = False  # --optimizer-cpu-offload: Adam's state and master weights in host memory
 
     @property
     def g(self):
@@ -141,12 +146,21 @@ def _activations(c: _Shape) -> float:
         + h_tp  # linear_fc1 input
         + (0 if c.mlp_chunk_tokens else c.fc1_out + c.glu_kept + c.ffn / c.tp)  # activation + linear_fc2 inputs
     )  # (tiled MLP: recomputed)
-    layer_full = 0.0
+    layer_full, kept = 0.0, c.layers
     if c.recompute == "full":  # layer inputs kept; one layer's activations live again during its backward
-        layer_full, layer = layer, h_tp
+        exchange = 2 * (hq + 2 * hk) * d + 2 * hq * d if c.ulysses > 1 else 0  # its all-to-alls' send + receive
+        ring = 6 * hk * d + 2 * (hq * d + hq) if c.cp > 1 else 0  # k/v blocks in flight, fp32 output and lse
+        layer_full, layer = layer + exchange + ring, h_tp
+        kept = min(c.layers, 2) if c.offload else c.layers  # offloaded: the one in use and the one prefetched
     head = (c.hidden_size + 2) + c.hidden_size  # final norm, output-layer input
     tokens = c.s_local * c.micro_batch_size
-    return c.act * tokens * (c.layers * layer + layer_full) + 4 * tokens * head
+    return c.act * tokens * (kept * layer + layer_full) + 4 * tokens * head
+
+
+def _host(c: _Shape) -> float:
+    """Bytes of host memory a rank holds at the end of the forward with --offload-activation-checkpoints:
+    every layer's input (the ones still on the device are copies)."""
+    return c.act * c.s_local * c.micro_batch_size * c.hidden_size * c.layers if c.offload else 0.0
 
 
 def _transients(c: _Shape, params: float, act_bytes: float):
@@ -181,6 +195,7 @@ def estimate(**kw) -> dict:
     c = _Shape(**kw)
     params = _params(c)
     w_bytes, g_bytes, opt_bytes = _states(c, params)
+    host_opt, opt_bytes = (opt_bytes, 0.0) if c.optimizer_offload else (0.0, opt_bytes)
     act_bytes = _activations(c)
     loss_bytes, step_transient = _transients(c, params, act_bytes)
     a2a_layer, ring_layer = _messages(c)
@@ -199,6 +214,7 @@ def estimate(**kw) -> dict:
         "a2a_bytes_per_layer": a2a_layer,
         "a2a_bytes_per_step": a2a_layer * c.layers,
         "ring_bytes_per_layer": ring_layer,
+        "host_bytes": _host(c) + host_opt,
     }
 
 

@@ -193,11 +193,14 @@ class _TiledMLPMixin:
         parent = super().forward
         s, b = hidden_states.shape[0], hidden_states.shape[1]
         rows = max(1, self.chunk_tokens // max(1, b))
-        if not torch.is_grad_enabled() or s <= rows:
+        if s <= rows:
             return parent(hidden_states, *args, **kwargs)
+        # with gradients each chunk is recomputed in its backward; without (full recompute's first forward,
+        # evaluation) a chunk's intermediates are simply freed before the next chunk runs
+        run = functools.partial(checkpoint, parent, use_reentrant=False) if torch.is_grad_enabled() else parent
         outs, bias = [], None
         for c in range(0, s, rows):
-            o, bias = checkpoint(parent, hidden_states[c : c + rows], *args, use_reentrant=False, **kwargs)
+            o, bias = run(hidden_states[c : c + rows], *args, **kwargs)
             outs.append(o)
         return torch.cat(outs, dim=0), bias
 

@@ -126,7 +126,8 @@ def check_ranges(args) -> None:
     parse_split(args.split)
 
 
-_CPU = lambda: not torch.cuda.is_available()  # noqa: E731
+# a CPU run: no CUDA, and not the dry run (its fake CUDA sizes what a GPU runs)
+_cpu = lambda a: not torch.cuda.is_available() and not getattr(a, "fake_cuda", False)  # noqa: E731
 # Megatron-LM's memory features (docs/memory.md): each rule as Megatron-LM states it, then each feature that
 # cannot run here, refused by name with the reason before any process group starts
 _MEMORY_RULES = (
@@ -187,7 +188,7 @@ _MEMORY_RULES = (
         lambda a, t: f"--expert-model-parallel-size {a.expert_model_parallel_size} splits experts: add --num-experts",
     ),
     (
-        lambda a, t: a.num_experts and _CPU(),
+        lambda a, t: a.num_experts and _cpu(a),
         lambda a, t: (
             f"--num-experts {a.num_experts}: Megatron-Core's MoE layer needs a GPU (on CPU its token dispatchers "
             "fail inside Megatron with or without Ulysses: an in-place write to an all-gather's output, CUDA "
@@ -199,7 +200,7 @@ _MEMORY_RULES = (
         lambda a, t: "--optimizer-cpu-offload needs --use-distributed-optimizer (Megatron's rule)",
     ),
     (
-        lambda a, t: a.optimizer_cpu_offload and _CPU(),
+        lambda a, t: a.optimizer_cpu_offload and _cpu(a),
         lambda a, t: (
             "--optimizer-cpu-offload moves Adam's state from the GPU to the host: on CPU it already is there "
             "(and Megatron's hybrid-device optimizer refuses CPU weights); drop the flag on CPU"
@@ -210,7 +211,7 @@ _MEMORY_RULES = (
         lambda a, t: "--offload-modules names what --fine-grained-activation-offloading offloads: add that flag",
     ),
     (
-        lambda a, t: a.fine_grained_activation_offloading and _CPU(),
+        lambda a, t: a.fine_grained_activation_offloading and _cpu(a),
         lambda a, t: (
             "--fine-grained-activation-offloading copies activations to host memory on CUDA streams with "
             "Transformer Engine's CPU offload: it needs a GPU with Transformer Engine; drop the flag on CPU"

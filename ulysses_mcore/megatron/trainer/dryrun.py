@@ -63,6 +63,7 @@ class RankReport:
     all_to_all_gb_per_layer: float  # sent by this rank, forward
     step_s: float  # the step-time model's prediction on the preset
     preset: str
+    host_gb: float  # host memory of this rank: offloaded layer inputs (measured) and optimizer state (modelled)
     seconds: float
     findings: List[str] = field(default_factory=list)
 
@@ -157,18 +158,22 @@ def plan_estimate(args, topo) -> dict:
         dp=topo.dp,
         loss_chunk_tokens=args.loss_chunk_tokens,
         mlp_chunk_tokens=args.mlp_chunk_tokens,
+        offload=args.offload_activation_checkpoints,
+        optimizer_offload=args.optimizer_cpu_offload,
     )
     return {k: v / 1e9 for k, v in est.items() if k.endswith("_bytes")}
 
 
 def _states_gb(args, topo, params: int):
-    """(gradients, optimizer) GB, modelled as the trainer holds them: DDP's fp32 grad buffer; Adam's
-    fp32 m and v, plus fp32 master weights under --bf16 (sharded over dp x cp with the distributed
-    optimizer)."""
+    """(gradients, optimizer on the GPU, optimizer on the host) GB, modelled as the trainer holds them:
+    DDP's grad buffer (fp32, bf16 with --grad-reduce-in-bf16); Adam's fp32 m and v, plus fp32 master
+    weights under --bf16 (sharded over dp x cp with the distributed optimizer; in host memory with
+    --optimizer-cpu-offload)."""
     opt = params * (12 if args.bf16 else 8)
     if args.use_distributed_optimizer:
         opt /= topo.dp * topo.ulysses * topo.cp
-    return params * 4 / 1e9, opt / 1e9
+    grads = params * (2 if args.grad_reduce_in_bf16 else 4) / 1e9
+    return (grads, 0.0, opt / 1e9) if args.optimizer_cpu_offload else (grads, opt / 1e9, 0.0)
 
 
 def _forward(model, batch, docs):
@@ -216,6 +221,12 @@ def _stage_input(model, args, batch) -> None:
     model.set_input_tensor(torch.empty(s, b, args.hidden_size, dtype=dtype, device="cuda", requires_grad=True))
 
 
+def _offloaded_gb(model) -> float:
+    """--offload-activation-checkpoints: the peak host bytes the forward's hooks held (measured)."""
+    stats = getattr(model, "_offload_stats", None)
+    return stats["peak_host_bytes"] / 1e9 if stats else 0.0
+
+
 def _activation_gb(tracker) -> float:
     snap = tracker.get_tracker_snapshot("peak")
     cuda = [v for dev, v in snap.items() if torch.device(dev).type == "cuda"]
@@ -254,7 +265,8 @@ def run_rank(args, topo, label: str, rank: int, preset: str = "h100") -> RankRep
             if groups is not None:
                 groups.destroy()
             destroy()
-    grads, opt = _states_gb(args, topo, params)
+    grads, opt, host_opt = _states_gb(args, topo, params)
+    host = host_opt + _offloaded_gb(model)
     counted = flops.get_flop_counts().get("Global", {})
     attn = sum(v for op, v in counted.items() if "attention" in str(op) or "varlen" in str(op))
     return RankReport(
@@ -272,6 +284,7 @@ def run_rank(args, topo, label: str, rank: int, preset: str = "h100") -> RankRep
         all_to_all_gb_per_layer=log.all_to_all_bytes / max(args.num_layers // topo.pp, 1) / 1e9,
         step_s=predicted_step_s(args, topo, preset),
         preset=preset,
+        host_gb=host,
         seconds=time.perf_counter() - t0,
     )
 

@@ -1,0 +1,154 @@
+"""The longest sequence a cluster can train, the layout and memory flags that reach it, and the dry run
+that checks it (``ulysses-mcore plan --longest``).
+
+For a model shape and a cluster (``world`` GPUs of a preset: its memory and GPUs per node) every layout
+``tp x ulysses x cp x pp x dp`` that Megatron and Ulysses accept is tried with every memory feature on --
+bf16, the distributed optimizer with its state in host memory, full recompute with the layer inputs in
+host memory, the chunked loss, the tiled MLP -- and the memory model
+(:mod:`ulysses_mcore.planning.memory_model`) finds each one's longest sequence under the preset's memory
+less ``headroom`` (the allocator's share).  The winner is the longest; among equals the one the
+step-time model predicts fastest.  Tensor and Ulysses groups stay
+inside a node (their all-to-alls and all-reduces run every layer).  Pure arithmetic: no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+from ..topology import Topology
+from .memory_model import estimate, longest_sequence
+from .shape import ModelShape
+from .step_time import PRESETS, Run, gpu_rates, predict
+
+CHUNK_TOKENS = 4096  # the chunked loss's and the tiled MLP's tokens per chunk
+MEMORY_FLAGS = [
+    "--bf16",
+    "--use-distributed-optimizer",
+    "--recompute-granularity",
+    "full",
+    "--offload-activation-checkpoints",
+    "--loss-chunk-tokens",
+    str(CHUNK_TOKENS),
+    "--mlp-chunk-tokens",
+    str(CHUNK_TOKENS),
+    "--optimizer-cpu-offload",
+]
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``world`` GPUs of ``preset`` (``h100``, ``h200``), ``headroom`` of each GPU's memory left free."""
+
+    world: int
+    preset: str = "h100"
+    headroom: float = 0.08
+
+    @property
+    def memory_gb(self) -> float:
+        return PRESETS[self.preset]["memory_gb"]
+
+    @property
+    def budget_bytes(self) -> float:
+        return self.memory_gb * 1e9 * (1 - self.headroom)
+
+    @property
+    def gpus_per_node(self) -> int:
+        return min(PRESETS[self.preset]["gpus_per_node"], self.world)
+
+
+@dataclass
+class Plan:
+    """One layout's longest sequence: its memory by the model, its predicted speed."""
+
+    layout: Topology
+    seq_length: int
+    gpus_per_node: int = 8
+    estimate: Dict[str, float] = field(default_factory=dict)
+    tokens_per_s_per_gpu: float = 0.0
+
+    @property
+    def host_gb_per_node(self) -> float:
+        """Host memory of a node's ranks for the offloaded layer inputs."""
+        return self.estimate.get("host_bytes", 0.0) * self.gpus_per_node / 1e9
+
+
+def _powers(limit: int) -> List[int]:
+    return [1 << i for i in range(limit.bit_length()) if 1 << i <= limit]
+
+
+def layouts(shape: ModelShape, cluster: Cluster) -> List[Topology]:
+    """Every layout of the cluster: tp and Ulysses groups inside a node, heads and query groups split
+    evenly, layers split evenly over the stages, the rest data-parallel."""
+    out = []
+    n, node = cluster.world, cluster.gpus_per_node
+    for tp in _powers(node):
+        if shape.num_attention_heads % tp or shape.num_query_groups % tp:
+            continue
+        for u in _powers(node // tp):
+            if (shape.num_attention_heads // tp) % u:
+                continue
+            for cp in _powers(n // (tp * u)):
+                for pp in _powers(n // (tp * u * cp)):
+                    if shape.num_layers % pp or n % (tp * u * cp * pp):
+                        continue
+                    out.append(Topology.of(tp, u, cp, pp, n // (tp * u * cp * pp)))
+    return out
+
+
+def _keywords(shape: ModelShape, lay: Topology) -> dict:
+    return dict(
+        **shape.keywords(),
+        micro_batch_size=1,
+        tp=lay.tp,
+        ulysses=lay.ulysses,
+        cp=lay.cp,
+        pp=lay.pp,
+        dp=lay.dp,
+        bf16=True,
+        recompute="full",
+        distributed_optimizer=True,
+        loss_chunk_tokens=CHUNK_TOKENS,
+        mlp_chunk_tokens=CHUNK_TOKENS,
+        offload=True,
+        optimizer_offload=True,
+    )
+
+
+def plan_layout(shape: ModelShape, cluster: Cluster, lay: Topology) -> Plan:
+    """The layout's longest sequence (a multiple of 2 x ulysses x cp x tp), its estimate and speed."""
+    kw = _keywords(shape, lay)
+    seq = longest_sequence(cluster.budget_bytes, 2 * lay.ulysses * lay.cp * lay.tp, **kw)
+    plan = Plan(lay, seq, cluster.gpus_per_node)
+    if seq:
+        plan.estimate = estimate(seq_length=seq, **kw)
+        run = Run(shape, seq, 1, lay.dp, bf16=True, recompute="full", distributed_optimizer=True)
+        step = predict(gpu_rates(PRESETS[cluster.preset]), run, lay, cluster.gpus_per_node)["step_s"]
+        plan.tokens_per_s_per_gpu = lay.dp * seq / step / lay.world_size
+    return plan
+
+
+def longest(shape: ModelShape, cluster: Cluster) -> List[Plan]:
+    """Every layout's plan, the longest sequence first (ties: the fastest first)."""
+    plans = [plan_layout(shape, cluster, lay) for lay in layouts(shape, cluster)]
+    return sorted(plans, key=lambda p: (-p.seq_length, -p.tokens_per_s_per_gpu))
+
+
+def layout_flags(lay: Topology) -> List[str]:
+    """The trainer's flags of a layout."""
+    return [
+        "--tensor-model-parallel-size", str(lay.tp), "--ulysses-degree", str(lay.ulysses),
+        "--context-parallel-size", str(lay.cp), "--pipeline-model-parallel-size", str(lay.pp),
+    ]  # fmt: skip
+
+
+def dryrun_command(model_flags: List[str], plan: Plan, cluster: Cluster, extra: Optional[List[str]] = None) -> str:
+    """The ``ulysses-mcore dryrun`` command that checks ``plan`` on fake CUDA."""
+    argv = ["ulysses-mcore", "dryrun", *model_flags, *layout_flags(plan.layout), *MEMORY_FLAGS, *(extra or [])]
+    argv += ["--micro-batch-size", "1", "--global-batch-size", str(plan.layout.dp)]
+    argv += ["--seq-length", str(plan.seq_length), "--max-position-embeddings", str(plan.seq_length)]
+    argv += ["--world-size", str(cluster.world), "--preset", cluster.preset]
+    return " ".join(argv)
+
+
+__all__ = ["Cluster", "Plan", "MEMORY_FLAGS", "layouts", "plan_layout", "longest", "layout_flags", "dryrun_command"]
