@@ -38,6 +38,8 @@ FEATURES = {  # name -> flags; each runs at dp 2 and at ulysses 2
     "activation checkpoints in host memory": ["--recompute-granularity", "full", "--offload-activation-checkpoints"],
     "bf16 gradient reduction": ["--bf16", "--grad-reduce-in-bf16"],
 }
+# model variants the long-context presets need (Qwen3: wider heads than hidden / heads, per-head q/k norms)
+VARIANTS = {"qwen3 attention": ["--kv-channels", "32", "--qk-layernorm", "--normalization", "RMSNorm"]}
 RTOL = {"bf16 gradient reduction": 1e-3}  # bf16 arithmetic: the two layouts add in another order
 
 
@@ -56,7 +58,7 @@ def world(tmp_path_factory):
 
     case("dp2", [])
     case("dp2 bf16", ["--bf16"])
-    for name, flags in FEATURES.items():
+    for name, flags in (FEATURES | VARIANTS).items():
         case(f"{name} | dp2", flags)
         case(f"{name} | u2", flags + ["--ulysses-degree", "2"])
     ckpt = str(d / "ckpt")  # stopped at iteration 2 and resumed: the saved weights are the updated ones
@@ -96,6 +98,14 @@ def test_feature_with_ulysses_gives_the_losses_without(world, name):
     _close(world[f"{name} | u2"], world[f"{name} | dp2"], rtol)
     _close(world[f"{name} | dp2"], world["dp2 bf16" if "--bf16" in FEATURES[name] else "dp2"], rtol)
     assert len(world[f"{name} | u2"]) == 4
+
+
+@pytest.mark.slow
+@pytest.mark.spawn
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_model_variant_with_ulysses_gives_the_losses_without(world, name):
+    _close(world[f"{name} | u2"], world[f"{name} | dp2"], 1e-5)
+    assert world[f"{name} | u2"] != world["dp2"]  # the variant is another model
 
 
 @pytest.mark.slow

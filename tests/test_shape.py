@@ -56,3 +56,14 @@ def test_every_reader_sees_the_same_shape():
     run = Run(m, seq_length=1024, micro_batch_size=1, global_batch_size=1)
     assert features(run, Topology.of())["mlp_flops"] == pytest.approx(3 * 2 * 1024 * h * f * 3 * L)
     assert Costs.from_rates({"mlp": {"mlp_flops": 1.0}, "attention": {"attn_flops": 0.0}}, m).token == 6 * L * 3 * h * f
+
+
+def test_kv_channels_set_the_head_width_everywhere():
+    """Qwen3-4B: 32 heads of 128 channels over a hidden size of 2560 (--kv-channels 128)."""
+    qwen = ModelShape(36, 2560, 32, 8, 9728, 151936, True, kv_channels=128)
+    assert qwen.head_dim == 128 and qwen.kv_hidden == 8 * 128
+    assert qwen.work()["projections"] == 2 * (2560 * (32 * 128 + 2 * 1024) + 32 * 128 * 2560)
+    assert "--kv-channels" in qwen.flags()
+    wide, narrow = estimate(**qwen.keywords()), estimate(**(qwen.keywords() | {"kv_channels": None}))
+    per_layer = 2560 * (32 + 16) * (128 - 80) + (32 + 16) * (128 - 80) + 32 * (128 - 80) * 2560
+    assert wide["params_per_rank"] - narrow["params_per_rank"] == 36 * per_layer

@@ -56,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--position-embedding-type", choices=["rope", "learned_absolute"], default=None)
     g.add_argument("--disable-bias-linear", action="store_true")
+    g.add_argument("--kv-channels", type=int, default=None)
+    g.add_argument("--qk-layernorm", action="store_true")
     explain(p, PLAN_HELP)
     return p
 
@@ -92,6 +94,8 @@ PLAN_HELP = {
     "--untie-embeddings-and-output-weights": "a separate output layer (passed to the dry run's command)",
     "--position-embedding-type": "rope or learned_absolute (passed to the dry run's command)",
     "--disable-bias-linear": "no linear biases (passed to the dry run's command)",
+    "--kv-channels": "channels of each head (default: hidden / heads)",
+    "--qk-layernorm": "per-head query and key norms (passed to the dry run's command)",
 }
 
 
@@ -165,6 +169,8 @@ def _model_flags(a) -> list:
     out += ["--position-embedding-type", a.position_embedding_type] if a.position_embedding_type else []
     out += ["--untie-embeddings-and-output-weights"] if a.untie_embeddings_and_output_weights else []
     out += ["--disable-bias-linear"] if a.disable_bias_linear else []
+    out += ["--kv-channels", a.kv_channels] if a.kv_channels else []
+    out += ["--qk-layernorm"] if a.qk_layernorm else []
     return [str(x) for x in out] + ["--vocab-size", str(a.vocab_size)]
 
 

@@ -71,6 +71,7 @@ class _Shape:
     torch_adam: bool = False
     offload: bool = False  # --offload-activation-checkpoints: the layer inputs in host memory
     optimizer_offload: bool = False  # --optimizer-cpu-offload: Adam's state and master weights in host memory
+    kv_channels: Optional[int] = None  # channels per head (None: hidden / heads)
 
     @property
     def g(self):
@@ -82,7 +83,7 @@ class _Shape:
 
     @property
     def d(self):
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     @property
     def act(self):

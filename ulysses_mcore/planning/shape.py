@@ -22,6 +22,7 @@ class ModelShape:
     ffn_hidden_size: Optional[int] = None  # None: Megatron's default (4 x hidden; 2/3 of it with SwiGLU)
     vocab_size: int = 50304
     swiglu: bool = False
+    kv_channels: Optional[int] = None  # None: hidden / heads (Megatron's default)
 
     def __post_init__(self):
         if self.num_query_groups is None:
@@ -42,16 +43,18 @@ class ModelShape:
             ffn_hidden_size=getattr(args, "ffn_hidden_size", None) or None,
             vocab_size=vocab_size or args.vocab_size,
             swiglu=bool(getattr(args, "swiglu", False)),
+            kv_channels=getattr(args, "kv_channels", None) or None,
         )
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        """Channels of one head: ``--kv-channels``, else hidden / heads."""
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     @property
     def kv_hidden(self) -> int:
-        """Width of k (or v): the query groups' share of the hidden size."""
-        return self.hidden_size * self.num_query_groups // self.num_attention_heads
+        """Width of k (or v): the query groups' heads."""
+        return self.num_query_groups * self.head_dim
 
     def work(self) -> Dict[str, float]:
         """What one layer does, counted once for every cost (the step-time model's features, the
@@ -88,6 +91,7 @@ class ModelShape:
             "--ffn-hidden-size",
             self.ffn_hidden_size,
         ]
+        flags += ["--kv-channels", self.kv_channels] if self.kv_channels else []
         return [str(f) for f in flags] + (["--swiglu"] if self.swiglu else [])
 
 

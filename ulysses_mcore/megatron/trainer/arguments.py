@@ -45,6 +45,7 @@ _OPTIONAL_INT_MIN = {
     "recompute_num_layers": 1,
     "num_layers_per_virtual_pipeline_stage": 1,
     "num_experts": 1,
+    "kv_channels": 1,
 }
 _NOTES = {
     "eval_iters": " (0: no evaluation)",
@@ -306,9 +307,10 @@ _CONSISTENCY = (
         ),
     ),
     (
-        lambda a, t: a.hidden_size % a.num_attention_heads,
+        lambda a, t: a.kv_channels is None and a.hidden_size % a.num_attention_heads,
         lambda a, t: (
-            f"--hidden-size {a.hidden_size} must be divisible by --num-attention-heads {a.num_attention_heads}"
+            f"--hidden-size {a.hidden_size} must be divisible by --num-attention-heads {a.num_attention_heads} "
+            "(or give each head's channels with --kv-channels)"
         ),
     ),
     (

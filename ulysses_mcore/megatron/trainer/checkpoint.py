@@ -47,6 +47,8 @@ MODEL_FLAGS = (
     "swiglu",
     "untie_embeddings_and_output_weights",
     "disable_bias_linear",
+    "kv_channels",
+    "qk_layernorm",
 )
 # scheduler state key -> the flags it is computed from
 SCHEDULE_FLAGS = {

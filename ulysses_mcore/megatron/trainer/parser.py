@@ -76,6 +76,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
         help="separate output layer (default: tied to the input embedding, as Megatron-LM)",
     )
     g.add_argument("--disable-bias-linear", action="store_true", help="no biases in the linear layers")
+    g.add_argument("--kv-channels", type=int, default=None)
+    g.add_argument("--qk-layernorm", action="store_true")
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument(
         "--attention-dropout",
@@ -251,6 +253,8 @@ FLAG_HELP = {  # the help line of each flag that does not carry its own (Megatro
     "--position-embedding-type": "rope (rotary, applied per shard at global positions) or learned_absolute "
     "(default: %(default)s)",
     "--normalization": "LayerNorm or RMSNorm (default: %(default)s)",
+    "--kv-channels": "channels of each attention head (default: --hidden-size / --num-attention-heads; Qwen3: 128)",
+    "--qk-layernorm": "normalise queries and keys per head before attention (Qwen3, OLMo 2)",
     "--init-method-std": "standard deviation of the initial weights (default: %(default)s)",
     "--attention-backend": "the kernel inside Ulysses attention: auto (te with --transformer-impl "
     "transformer_engine, else sdpa), sdpa, flash (flash-attn), te (default: %(default)s)",
