@@ -30,7 +30,10 @@ Two things of a real GPU cannot be had without one, and are modelled here, by na
 from __future__ import annotations
 
 import contextlib
+import heapq
+import itertools
 import traceback
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
@@ -40,6 +43,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import GraphExecGroup
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .options import flash_takes_head_dim
 
@@ -269,35 +275,172 @@ def flop_counter(docs: Optional[List[int]] = None):
 
 
 # ----------------------------------------------------------------------------- backward
-def backward(output: torch.Tensor, grad: torch.Tensor) -> Dict[torch.Tensor, torch.Tensor]:
-    """The backward of ``output`` without the autograd engine (which needs a device): the graph's
-    nodes in reverse topological order, each called on the gradients of its outputs (custom
-    ``autograd.Function`` nodes through their ``backward``).  Returns ``{leaf: gradient}``."""
-    with torch.no_grad():  # as the engine runs a backward without create_graph
-        return _run_backward(output, grad)
+def backward(output: torch.Tensor, grad: torch.Tensor, *, keep=None) -> Dict[torch.Tensor, torch.Tensor]:
+    """The backward of ``output`` without the autograd engine (which needs a device), in the engine's
+    order: a node runs once every gradient it takes has arrived, the most recently created ready node
+    first (the engine's ``sequence_nr`` priority), each called on the gradients of its outputs (custom
+    ``autograd.Function`` nodes through their ``backward``); a gradient is freed once its node ran.
+    Returns ``{leaf: gradient}`` for the leaves ``keep(leaf)`` accepts (default: all)."""
+    # one group for the whole backward: a non-reentrant checkpoint recomputes its region once, as in the
+    # engine (outside the engine it would take every unpack for a new backward and recompute again)
+    group = contextlib.nullcontext() if GraphExecGroup._get_current_group() is not None else GraphExecGroup()
+    with torch.no_grad(), group:  # as the engine runs a backward without create_graph
+        return _run_backward(output, grad, keep or (lambda leaf: True))
 
 
-def _run_backward(output, grad):
-    order = _topological(output.grad_fn)
-    grads: Dict[tuple, torch.Tensor] = {(output.grad_fn, 0): grad}
+def _run_backward(output, grad, keep):
+    root = output.grad_fn
+    waiting = _dependencies(root)
+    grads: Dict[tuple, torch.Tensor] = {(root, 0): grad}
     leaves: Dict[torch.Tensor, torch.Tensor] = {}
-    for node in reversed(order):
-        if type(node).__name__ == "AccumulateGrad":
-            if (node, 0) in grads:
-                leaves[node.variable] = grads[(node, 0)]
-            continue
+    ready, tie = [(-root._sequence_nr(), 0, root)], itertools.count(1)
+    while ready:
+        node = heapq.heappop(ready)[2]
         n_out = len(getattr(node, "_input_metadata", ())) or 1
         ins = [grads.pop((node, i), None) for i in range(n_out)]
-        if all(g is None for g in ins):
-            continue
-        outs = node(*ins) if callable(node) else type(node)._forward_cls.backward(node, *ins)
-        outs = outs if isinstance(outs, tuple) else (outs,)
-        for (nxt, idx), g in zip(node.next_functions, outs):
-            if nxt is None or g is None:
+        outs = () if all(g is None for g in ins) else _call(node, ins)
+        for k, (nxt, idx) in enumerate(node.next_functions):
+            g = outs[k] if k < len(outs) else None
+            if nxt is None:
                 continue
-            key = (nxt, idx)
-            grads[key] = g if key not in grads else grads[key] + g
+            if _is_leaf(nxt):  # a leaf's gradient, by the leaf (its accumulator node is made afresh per access)
+                _add(leaves, nxt.variable, g if keep(nxt.variable) else None)
+                continue
+            _add(grads, (nxt, idx), g)
+            waiting[nxt] -= 1
+            if waiting[nxt] == 0:
+                heapq.heappush(ready, (-nxt._sequence_nr(), next(tie), nxt))
+        del ins, outs
     return leaves
+
+
+def _add(table: dict, key, g) -> None:
+    if g is not None:
+        table[key] = g if key not in table else table[key] + g
+
+
+def _is_leaf(node) -> bool:
+    return type(node).__name__ == "AccumulateGrad"
+
+
+def _call(node, ins) -> tuple:
+    """The node's gradients, one per edge (``next_functions``): a custom ``autograd.Function`` returns
+    one per forward input, non-tensors included, which the engine maps onto the tensor inputs' edges."""
+    if callable(node):
+        outs = node(*ins)
+        return outs if isinstance(outs, tuple) else (outs,)
+    outs = type(node)._forward_cls.backward(node, *ins)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    mask = _TENSOR_INPUTS.get(node)
+    if mask is None or len(outs) == len(node.next_functions):
+        return outs
+    return tuple(g for g, is_tensor in zip(outs, mask) if is_tensor)
+
+
+_TENSOR_INPUTS = WeakIdKeyDictionary()  # custom Function node -> which forward inputs were tensors
+
+
+@contextlib.contextmanager
+def recording_function_inputs():
+    """Record, for each custom ``autograd.Function`` applied inside, which of its inputs were tensors
+    (the engine keeps this in C++; :func:`backward` needs it to map gradients onto edges)."""
+    apply = torch.autograd.Function.apply.__func__
+
+    def recorded(cls, *args, **kwargs):
+        out = apply(cls, *args, **kwargs)
+        node = next((t.grad_fn for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn), None)
+        if node is not None and hasattr(type(node), "_forward_cls"):
+            _TENSOR_INPUTS[node] = tuple(isinstance(a, torch.Tensor) for a in args)
+        return out
+
+    torch.autograd.Function.apply = classmethod(recorded)
+    try:
+        yield
+    finally:
+        torch.autograd.Function.apply = classmethod(apply)
+
+
+def _dependencies(root) -> Dict[object, int]:
+    """How many edges of the graph lead into each node (the engine's dependency count)."""
+    count: Dict[object, int] = defaultdict(int)
+    for node in _topological(root):
+        for nxt, _ in node.next_functions:
+            if nxt is not None and not _is_leaf(nxt):
+                count[nxt] += 1
+    return count
+
+
+@contextlib.contextmanager
+def engine_free_autograd():
+    """``torch.autograd.backward`` -- which Megatron's recompute (``CheckpointFunction.backward``) calls
+    inside the backward -- runs through :func:`backward`: the gradients of non-parameter leaves land in
+    their ``.grad`` (what the recompute returns); parameters' are dropped, as Megatron's DDP moves each
+    into its gradient buffer (the dry run models that buffer)."""
+    engine = torch.autograd.backward
+
+    def run(tensors, grad_tensors=None, *args, **kwargs):
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        grads = grad_tensors if grad_tensors is not None else [None] * len(tensors)
+        grads = [grads] if isinstance(grads, torch.Tensor) else list(grads)
+        for t, g in zip(tensors, grads):
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                for leaf, lg in backward(t, torch.ones_like(t) if g is None else g, keep=_not_a_parameter).items():
+                    leaf.grad = lg if leaf.grad is None else leaf.grad + lg
+
+    torch.autograd.backward = run
+    try:
+        yield
+    finally:
+        torch.autograd.backward = engine
+
+
+def _not_a_parameter(leaf) -> bool:
+    return not isinstance(leaf, torch.nn.Parameter)
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the CUDA storages made under this mode and still alive, and their peak (a storage
+    counts once, views and in-place results included).  Unlike torch's ``MemTracker`` it takes a
+    module that runs twice in a step (full recompute)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = WeakIdKeyDictionary()
+        self.now = self.peak = 0
+
+    def _free(self, nbytes: int) -> None:
+        self.now -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+                st = t.untyped_storage()
+                if st not in self.live:
+                    self.live[st] = n = st.nbytes()
+                    weakref.finalize(st, self._free, n)
+                    self.now += n
+                    self.peak = max(self.peak, self.now)
+        return out
+
+
+class SavedOnce(torch.autograd.graph.saved_tensors_hooks):
+    """Saved tensors handed to their node once and let go (the engine frees a node's saved tensors
+    after it runs; the Python backward above cannot reach them): a forward under these hooks holds
+    in its backward only what a real one does."""
+
+    def __init__(self):
+        super().__init__(self._pack, self._unpack)
+
+    @staticmethod
+    def _pack(t):
+        return [t]
+
+    @staticmethod
+    def _unpack(box):
+        t = box[0]
+        box[0] = None
+        return t
 
 
 def _topological(root) -> list:

@@ -181,7 +181,7 @@ def _longest(a) -> int:
     if a.group_query_attention and a.num_query_groups is None:
         a.num_query_groups = 1  # Megatron-LM's default
     cluster = Cluster(a.world_size, a.preset)
-    plans = longest(ModelShape.from_args(a), cluster)
+    plans = longest(ModelShape.from_args(a), cluster, tied=not a.untie_embeddings_and_output_weights)
     if not plans or not plans[0].seq_length:
         raise SystemExit(
             f"error: no layout of {a.world_size} x {a.preset} fits this model in {cluster.budget_bytes / 1e9:.1f} GB "

@@ -78,8 +78,9 @@ def _powers(limit: int) -> List[int]:
 
 
 def layouts(shape: ModelShape, cluster: Cluster) -> List[Topology]:
-    """Every layout of the cluster: tp and Ulysses groups inside a node, heads and query groups split
-    evenly, layers split evenly over the stages, the rest data-parallel."""
+    """Every layout of the cluster: tp and Ulysses groups inside a node, a ring only across nodes (tp x
+    Ulysses filling each node), heads and query groups split evenly, layers split evenly over the
+    stages, the rest data-parallel."""
     out = []
     n, node = cluster.world, cluster.gpus_per_node
     for tp in _powers(node):
@@ -88,7 +89,7 @@ def layouts(shape: ModelShape, cluster: Cluster) -> List[Topology]:
         for u in _powers(node // tp):
             if (shape.num_attention_heads // tp) % u:
                 continue
-            for cp in _powers(n // (tp * u)):
+            for cp in _powers(n // (tp * u)) if tp * u == node else [1]:
                 for pp in _powers(n // (tp * u * cp)):
                     if shape.num_layers % pp or n % (tp * u * cp * pp):
                         continue
@@ -96,9 +97,10 @@ def layouts(shape: ModelShape, cluster: Cluster) -> List[Topology]:
     return out
 
 
-def _keywords(shape: ModelShape, lay: Topology) -> dict:
+def _keywords(shape: ModelShape, lay: Topology, tied: bool) -> dict:
     return dict(
         **shape.keywords(),
+        tied_embeddings=tied,
         micro_batch_size=1,
         tp=lay.tp,
         ulysses=lay.ulysses,
@@ -115,9 +117,10 @@ def _keywords(shape: ModelShape, lay: Topology) -> dict:
     )
 
 
-def plan_layout(shape: ModelShape, cluster: Cluster, lay: Topology) -> Plan:
-    """The layout's longest sequence (a multiple of 2 x ulysses x cp x tp), its estimate and speed."""
-    kw = _keywords(shape, lay)
+def plan_layout(shape: ModelShape, cluster: Cluster, lay: Topology, tied: bool = False) -> Plan:
+    """The layout's longest sequence (a multiple of 2 x ulysses x cp x tp), its estimate and speed;
+    ``tied``: the output layer shares the input embedding."""
+    kw = _keywords(shape, lay, tied)
     seq = longest_sequence(cluster.budget_bytes, 2 * lay.ulysses * lay.cp * lay.tp, **kw)
     plan = Plan(lay, seq, cluster.gpus_per_node)
     if seq:
@@ -128,9 +131,9 @@ def plan_layout(shape: ModelShape, cluster: Cluster, lay: Topology) -> Plan:
     return plan
 
 
-def longest(shape: ModelShape, cluster: Cluster) -> List[Plan]:
+def longest(shape: ModelShape, cluster: Cluster, tied: bool = False) -> List[Plan]:
     """Every layout's plan, the longest sequence first (ties: the fastest first)."""
-    plans = [plan_layout(shape, cluster, lay) for lay in layouts(shape, cluster)]
+    plans = [plan_layout(shape, cluster, lay, tied) for lay in layouts(shape, cluster)]
     return sorted(plans, key=lambda p: (-p.seq_length, -p.tokens_per_s_per_gpu))
 
 

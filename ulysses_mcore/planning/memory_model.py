@@ -72,6 +72,7 @@ class _Shape:
     offload: bool = False  # --offload-activation-checkpoints: the layer inputs in host memory
     optimizer_offload: bool = False  # --optimizer-cpu-offload: Adam's state and master weights in host memory
     kv_channels: Optional[int] = None  # channels per head (None: hidden / heads)
+    tied_embeddings: bool = False  # the output layer shares the input embedding (Megatron-LM's default)
 
     @property
     def g(self):
@@ -122,7 +123,8 @@ def _params(c: _Shape) -> float:
         + ffn * h + h  # fc2
         + 4 * h  # 2 norms
     )  # fmt: skip
-    return c.layers * per_layer / c.tp + (c.vocab_size * h * 2 / c.tp) / max(c.pp, 1) + 2 * h
+    copies = 1 if c.tied_embeddings else 2  # input embedding and output layer
+    return c.layers * per_layer / c.tp + (c.vocab_size * h * copies / c.tp) / max(c.pp, 1) + 2 * h
 
 
 def _states(c: _Shape, params: float):

@@ -81,10 +81,10 @@ class HostOffload(torch.autograd.graph.saved_tensors_hooks):
             return saved
         if saved.back is None:
             self._fetch(saved)
-        out = saved.back
+        out, saved.back = saved.back, None  # the node holds it now: freed when the node is done with it
         if saved.device.type == "cuda" and self.stream is not None:
             torch.cuda.current_stream(saved.device).wait_stream(self.stream)
-        if saved.previous is not None and saved.previous.back is None:
+        if saved.previous is not None and saved.previous.back is None and saved.previous.host is not None:
             self._fetch(saved.previous)  # the next one the backward needs: overlaps this layer's recompute
         if saved.host is not None:
             self._count(saved.host, -1)

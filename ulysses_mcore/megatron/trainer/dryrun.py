@@ -30,13 +30,11 @@ from typing import Dict, List
 import torch
 from megatron.core import parallel_state as ps
 from megatron.core.packed_seq_params import PackedSeqParams
-from torch.distributed._tools.mem_tracker import MemTracker
 
 from ulysses_mcore import fakeworld as fw
 from ulysses_mcore.megatron.compat.fake_cuda import stand_ins
 from ulysses_mcore.megatron.layer.batch import make_lm_batch, shard_batch
 from ulysses_mcore.megatron.layer.groups import destroy, initialize
-from ulysses_mcore.megatron.layer.module import UlyssesAttention
 from ulysses_mcore.megatron.trainer.arguments import validate
 from ulysses_mcore.megatron.trainer.dynamic import DynamicGroups
 from ulysses_mcore.megatron.trainer.model import build_model
@@ -56,7 +54,8 @@ class RankReport:
     params_gb: float  # measured: the fake parameters' bytes
     grads_gb: float  # modelled
     optimizer_gb: float  # modelled
-    activations_gb: float  # measured: the forward's activation peak (MemTracker)
+    activations_gb: float  # measured: the live device bytes at the forward's peak
+    step_gb: float  # measured: the live device bytes at the step's peak (forward and the whole backward)
     plan: Dict[str, float]  # ulysses-mcore plan's estimate, GB
     forward_tflop: Dict[str, float]  # counted: {"attention", "total"}
     model_forward_tflop: Dict[str, float]  # the step-time model's count, same keys
@@ -69,7 +68,7 @@ class RankReport:
 
     @property
     def peak_gb(self) -> float:
-        return self.params_gb + self.grads_gb + self.optimizer_gb + self.activations_gb
+        return self.params_gb + self.grads_gb + self.optimizer_gb + max(self.activations_gb, self.step_gb)
 
 
 def rank_kinds(topo) -> List[tuple]:
@@ -160,6 +159,7 @@ def plan_estimate(args, topo) -> dict:
         mlp_chunk_tokens=args.mlp_chunk_tokens,
         offload=args.offload_activation_checkpoints,
         optimizer_offload=args.optimizer_cpu_offload,
+        tied_embeddings=not args.untie_embeddings_and_output_weights,
     )
     return {k: v / 1e9 for k, v in est.items() if k.endswith("_bytes")}
 
@@ -176,40 +176,33 @@ def _states_gb(args, topo, params: int):
     return (grads, 0.0, opt / 1e9) if args.optimizer_cpu_offload else (grads, opt / 1e9, 0.0)
 
 
-def _forward(model, batch, docs):
-    """One forward micro-batch to the loss under the kernel log, the FLOP counter and the memory
-    tracker: (loss, log, flops counter, tracker)."""
-    tracker = MemTracker()
-    tracker.track_external(model)
+@dataclass
+class _Step:
+    """What one micro-batch's forward and backward showed: the kernels each way, the forward's FLOPs,
+    and the live bytes the step made on the device (activations, their gradients, temporaries) at the
+    forward's end and at the step's peak."""
 
-    with fw.SdpaAsOnGpu(), fw.KernelLog() as log, fw.flop_counter(docs) as flops, tracker:
-        loss = model_forward(model, batch)
-    return loss, log, flops, tracker
+    forward: fw.KernelLog
+    backward: fw.KernelLog
+    flops: object
+    forward_peak: int
+    step_peak: int
 
 
-class _FirstAttention:
-    """Keeps the first core-attention call's inputs (a forward pre-hook), to run its backward alone."""
-
-    def __init__(self, model):
-
-        self.call = None
-        mods = [m for m in model.modules() if isinstance(m, UlyssesAttention)]
-        self.module = mods[0] if mods else None
-        self.handle = self.module.register_forward_pre_hook(self._keep, with_kwargs=True) if mods else None
-
-    def _keep(self, module, args, kwargs):
-        if self.call is None:
-            self.call = (args, kwargs)
-
-    def backward(self) -> fw.KernelLog:
-        """The attention's backward kernels on a fresh call of the kept signature."""
-        args, kwargs = self.call
-        q, k, v = (t.detach().requires_grad_() for t in args[:3])
-        with fw.SdpaAsOnGpu(), fw.KernelLog() as log:
-            out = self.module(q, k, v, *args[3:], **kwargs)
-            out = out[0] if isinstance(out, tuple) else out
-            fw.backward(out, torch.ones_like(out))
-        return log
+def _step(model, batch, docs) -> _Step:
+    """One micro-batch through the model and back: the forward under the kernel log and the FLOP
+    counter, its saved tensors handed to the backward once (as the engine frees them), then the whole
+    backward -- every layer, full recompute's re-forward included -- through the engine-free backward,
+    parameters' gradients going to Megatron's buffer (modelled).  The live bytes span both."""
+    live = fw.LiveBytes()
+    with fw.SdpaAsOnGpu(), live:
+        with fw.KernelLog() as log, fw.flop_counter(docs) as flops, fw.SavedOnce(), fw.recording_function_inputs():
+            out = model_forward(model, batch)
+        forward_peak = live.peak
+        with fw.KernelLog() as back, fw.engine_free_autograd():
+            fw.backward(out, torch.ones_like(out), keep=lambda leaf: not isinstance(leaf, torch.nn.Parameter))
+        del out
+    return _Step(log, back, flops, forward_peak, live.peak)
 
 
 def _stage_input(model, args, batch) -> None:
@@ -225,12 +218,6 @@ def _offloaded_gb(model) -> float:
     """--offload-activation-checkpoints: the peak host bytes the forward's hooks held (measured)."""
     stats = getattr(model, "_offload_stats", None)
     return stats["peak_host_bytes"] / 1e9 if stats else 0.0
-
-
-def _activation_gb(tracker) -> float:
-    snap = tracker.get_tracker_snapshot("peak")
-    cuda = [v for dev, v in snap.items() if torch.device(dev).type == "cuda"]
-    return sum(v.get("Activation", 0) + v.get("Temp", 0) for v in cuda) / 1e9
 
 
 def run_rank(args, topo, label: str, rank: int, preset: str = "h100") -> RankReport:
@@ -258,30 +245,29 @@ def run_rank(args, topo, label: str, rank: int, preset: str = "h100") -> RankRep
             param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
             batch, docs = _batch(args, topo, groups)
             _stage_input(model, args, batch)
-            first = _FirstAttention(model)
-            _, log, flops, tracker = _forward(model, batch, docs)
-            back = first.backward() if first.call is not None else fw.KernelLog()
+            step = _step(model, batch, docs)
         finally:
             if groups is not None:
                 groups.destroy()
             destroy()
     grads, opt, host_opt = _states_gb(args, topo, params)
     host = host_opt + _offloaded_gb(model)
-    counted = flops.get_flop_counts().get("Global", {})
+    counted = step.flops.get_flop_counts().get("Global", {})
     attn = sum(v for op, v in counted.items() if "attention" in str(op) or "varlen" in str(op))
     return RankReport(
         kind=label,
         rank=rank,
-        kernels_forward=log.kernels(),
-        kernels_backward=back.kernels("backward"),
+        kernels_forward=step.forward.kernels(),
+        kernels_backward=step.backward.kernels("backward"),
         params_gb=param_bytes / 1e9,
         grads_gb=grads,
         optimizer_gb=opt,
-        activations_gb=_activation_gb(tracker),
+        activations_gb=step.forward_peak / 1e9,
+        step_gb=step.step_peak / 1e9,
         plan=plan_estimate(args, topo),
-        forward_tflop={"attention": attn / 1e12, "total": flops.get_total_flops() / 1e12},
+        forward_tflop={"attention": attn / 1e12, "total": step.flops.get_total_flops() / 1e12},
         model_forward_tflop=model_forward_tflop(args, topo),
-        all_to_all_gb_per_layer=log.all_to_all_bytes / max(args.num_layers // topo.pp, 1) / 1e9,
+        all_to_all_gb_per_layer=step.forward.all_to_all_bytes / max(args.num_layers // topo.pp, 1) / 1e9,
         step_s=predicted_step_s(args, topo, preset),
         preset=preset,
         host_gb=host,
