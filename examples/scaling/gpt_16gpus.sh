@@ -4,7 +4,7 @@
 # Target sequence length 393216 tokens: ulysses-mcore plan predicts it fits in 70 GB per GPU
 #   ulysses-mcore plan --num-layers 32 --hidden-size 4096 --num-attention-heads 32 --num-query-groups 8 \
 #     --ffn-hidden-size 14336 --swiglu --vocab-size 128256 --bf16 --recompute full --use-distributed-optimizer \
-#     --budget-gb 70 --tp 2 --ulysses 4 --pp 2 --dp 1
+#     --loss-chunk-tokens 4096 --mlp-chunk-tokens 4096 --budget-gb 70 --tp 2 --ulysses 4 --pp 2 --dp 1
 # (The plan assumes SwiGLU and a 128K vocabulary; this script's GELU MLP and byte-level vocabulary need less.)
 # tp x ulysses = 8 ranks stay inside one node (the default order puts Ulysses right after TP).
 # Run on every node with NODE_RANK, MASTER_ADDR set; DATA is a Megatron .bin/.idx prefix.
@@ -18,6 +18,6 @@ torchrun --nnodes 2 --node-rank ${NODE_RANK:-0} --nproc-per-node 8 \
   --use-distributed-optimizer --num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 \
   --num-attention-heads 32 --num-query-groups 8 --seq-length $SEQ --max-position-embeddings $SEQ \
   --micro-batch-size 1 --global-batch-size 8 --train-iters 1000 --lr 3e-4 --min-lr 3e-5 \
-  --lr-warmup-iters 50 --clip-grad 1.0 --weight-decay 0.1 --bf16 --recompute-granularity full \
+  --lr-warmup-iters 50 --clip-grad 1.0 --weight-decay 0.1 --bf16 --recompute-granularity full --loss-chunk-tokens 4096 --mlp-chunk-tokens 4096 \
   --attention-backend te --data-path $DATA --save ${SAVE:-ckpt_16gpus} --save-interval 200 \
   --eval-interval 200 --eval-iters 4 --log-interval 1

@@ -5,7 +5,7 @@
 # Target sequence length 1048576 tokens: ulysses-mcore plan predicts it fits in 70 GB per GPU
 #   ulysses-mcore plan --num-layers 32 --hidden-size 4096 --num-attention-heads 32 --num-query-groups 8 \
 #     --ffn-hidden-size 14336 --swiglu --vocab-size 128256 --bf16 --recompute full --use-distributed-optimizer \
-#     --budget-gb 70 --tp 2 --ulysses 4 --cp 4 --dp 1 --seq-length 1048576
+#     --loss-chunk-tokens 4096 --mlp-chunk-tokens 4096 --budget-gb 70 --tp 2 --ulysses 4 --cp 4 --dp 1 --seq-length 1048576
 # (A plan, not a measurement: no multi-node GPU cluster was available.)  The ring is Transformer
 # Engine's p2p context parallelism (--attention-backend te); sdpa runs the portable log-sum-exp ring.
 # Run on every node with NODE_RANK, MASTER_ADDR set; DATA is a Megatron .bin/.idx prefix.
@@ -19,6 +19,6 @@ torchrun --nnodes 4 --node-rank ${NODE_RANK:-0} --nproc-per-node 8 \
   --use-distributed-optimizer --num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 \
   --num-attention-heads 32 --num-query-groups 8 --seq-length $SEQ --max-position-embeddings $SEQ \
   --micro-batch-size 1 --global-batch-size 8 --train-iters 1000 --lr 3e-4 --min-lr 3e-5 \
-  --lr-warmup-iters 50 --clip-grad 1.0 --weight-decay 0.1 --bf16 --recompute-granularity full \
+  --lr-warmup-iters 50 --clip-grad 1.0 --weight-decay 0.1 --bf16 --recompute-granularity full --loss-chunk-tokens 4096 --mlp-chunk-tokens 4096 \
   --attention-backend te --data-path $DATA --save ${SAVE:-ckpt_32gpus_hybrid} --save-interval 200 \
   --eval-interval 200 --eval-iters 4 --log-interval 1
