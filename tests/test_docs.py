@@ -58,6 +58,8 @@ CATALOGUE = [  # (pattern the command matches, "run" with its runner, or the rea
     (r"^python tools/bench_", LONG),
     (r"^ulysses-mcore sweep ", "measures every layout: minutes (tests/test_cli_scaling.py runs a small sweep)"),
     (r"^ulysses-mcore plan --loss-chunk-tokens C", "a pattern (C = the chunk), not a command"),
+    (r"^ulysses-mcore plan --longest$", "a command's name in prose (its full form is run: docs/memory.md)"),
+    (r"^ulysses-mcore plan --longest .*--world-size N ", "a pattern (N GPUs, the model's flags), not a command"),
     (r"^(ulysses-mcore|torchrun|ulysses-mcore (plan|pretrain|dryrun|fit|preprocess))$", "a command's name in prose"),
     (r"^torchrun --nproc-per-node N ", "a pattern (N ranks, flags elided), not a command"),
     (r"^torchrun --nnodes N ", "a multi-node pattern (N nodes, HOST:PORT): needs a cluster"),
