@@ -21,7 +21,8 @@ def test_the_command_prints_its_last_line(capsys):
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert re.fullmatch(
         r"dry run: world 8, tp 1 x ulysses 8 x cp 1 x pp 1: peak [\d.]+ GB \(plan [\d.]+ GB\), forward [\d.]+ TFLOP, "
-        r"all-to-all [\d.]+ GB, host reads 0, device mismatches 0",
+        r"all-to-all [\d.]+ GB, host memory [\d.]+ GB a node, host reads 0, device mismatches 0; "
+        r"fits h100: (yes|no) \(peak [\d.]+ of 80 GB, 8% kept free\)",
         last,
     ), last
 
