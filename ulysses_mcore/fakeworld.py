@@ -384,7 +384,7 @@ def engine_free_autograd():
         grads = [grads] if isinstance(grads, torch.Tensor) else list(grads)
         for t, g in zip(tensors, grads):
             if isinstance(t, torch.Tensor) and t.grad_fn is not None:
-                for leaf, lg in backward(t, torch.ones_like(t) if g is None else g, keep=_not_a_parameter).items():
+                for leaf, lg in backward(t, torch.ones_like(t) if g is None else g, keep=not_a_parameter).items():
                     leaf.grad = lg if leaf.grad is None else leaf.grad + lg
 
     torch.autograd.backward = run
@@ -394,7 +394,8 @@ def engine_free_autograd():
         torch.autograd.backward = engine
 
 
-def _not_a_parameter(leaf) -> bool:
+def not_a_parameter(leaf) -> bool:
+    """A leaf whose gradient a dry run keeps: parameters' go to Megatron's (modelled) gradient buffer."""
     return not isinstance(leaf, torch.nn.Parameter)
 
 

@@ -44,14 +44,13 @@ import os
 import sys
 from typing import Dict, Tuple
 
-import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from ulysses_mcore.megatron.layer.groups import remember
 from ulysses_mcore.megatron.layer.memory import enable_chunked_loss
-from ulysses_mcore.megatron.layer.offload import enable_activation_offload
+from ulysses_mcore.megatron.layer.offload import checkpoint_min_bytes, enable_activation_offload
 from ulysses_mcore.megatron.layer.module import UlyssesAttention
 from ulysses_mcore.megatron.layer.specs import swap_core_attention, swap_mlp
 from ulysses_mcore.topology import Topology, TopologyError
@@ -174,10 +173,10 @@ def fold_args(args):
 
 
 def _offload_min_bytes(args) -> int:
-    """Half a layer input's bytes on one rank: what --offload-activation-checkpoints moves is that large or larger."""
+    """--offload-activation-checkpoints' threshold of Megatron-LM's flags (context parallel is ulysses x ring here)."""
     shards = (args.context_parallel_size or 1) * (args.tensor_model_parallel_size if args.sequence_parallel else 1)
-    size = 2 if getattr(args, "bf16", False) or getattr(args, "fp16", False) else 4
-    return max(1, args.seq_length // shards * args.micro_batch_size * args.hidden_size * size // 2)
+    half = getattr(args, "bf16", False) or getattr(args, "fp16", False)
+    return checkpoint_min_bytes(args.seq_length, args.micro_batch_size, args.hidden_size, shards, half)
 
 
 DYNAMIC_REFUSED = (
@@ -325,7 +324,7 @@ def _wrap_setup_model(fn):
             if _STATE.get("loss_chunk"):
                 enable_chunked_loss(core, _STATE["loss_chunk"])
             if _STATE.get("offload"):
-                enable_activation_offload(core, min_bytes=_STATE["offload"], copy_host=not torch.cuda.is_available())
+                enable_activation_offload(core, min_bytes=_STATE["offload"])
         if _STATE.get("loss_chunk"):
             _say(f"loss: chunked linear cross-entropy, {_STATE['loss_chunk']} tokens at a time")
         if _STATE.get("offload"):

@@ -28,6 +28,10 @@ from typing import List, Optional
 import torch
 
 
+def _new_stats() -> dict:
+    return {"host_bytes": 0, "peak_host_bytes": 0, "tensors": 0}
+
+
 class _Saved:
     """One offloaded tensor: its host copy, where it goes back, and its copy back once started."""
 
@@ -47,7 +51,7 @@ class HostOffload(torch.autograd.graph.saved_tensors_hooks):
 
     def __init__(self, min_bytes: int = 1 << 20, *, copy_host: bool = False, stats: Optional[dict] = None):
         self.min_bytes, self.copy_host = min_bytes, copy_host
-        self.stats = stats if stats is not None else {"host_bytes": 0, "peak_host_bytes": 0, "tensors": 0}
+        self.stats = stats if stats is not None else _new_stats()
         self.last: Optional[_Saved] = None
         self.stream = torch.cuda.Stream() if torch.cuda.is_available() else None
         super().__init__(self._pack, self._unpack)
@@ -109,13 +113,22 @@ class HostOffload(torch.autograd.graph.saved_tensors_hooks):
         s["tensors"] += max(sign, 0)
 
 
-def enable_activation_offload(model, *, min_bytes: int = 1 << 20, copy_host: bool = False) -> dict:
+def checkpoint_min_bytes(seq_length: int, micro_batch_size: int, hidden_size: int, shards: int, bf16: bool) -> int:
+    """Half a layer input's bytes on one rank (``seq_length / shards`` tokens of ``micro_batch_size``
+    samples, ``hidden_size`` wide): what the flag moves is that large or larger."""
+    return max(1, seq_length // shards * micro_batch_size * hidden_size * (2 if bf16 else 4) // 2)
+
+
+def enable_activation_offload(model, *, min_bytes: int = 1 << 20, copy_host: Optional[bool] = None) -> dict:
     """Run ``model``'s forward (a built Megatron-Core ``GPTModel``) under :class:`HostOffload`, one
     chain per forward; returns the stats record the hooks keep (``host_bytes``, ``peak_host_bytes``,
-    ``tensors``).  Idempotent."""
+    ``tensors``).  ``copy_host`` (default: when there is no GPU) makes a CPU run copy host to host
+    through the same bookkeeping, so it checks the offload exactly.  Idempotent."""
     if getattr(model, "_offload_stats", None) is not None:
         return model._offload_stats
-    stats = {"host_bytes": 0, "peak_host_bytes": 0, "tensors": 0}
+    if copy_host is None:
+        copy_host = not torch.cuda.is_available()
+    stats = _new_stats()
     forward = model.forward
 
     @functools.wraps(forward)
@@ -128,4 +141,4 @@ def enable_activation_offload(model, *, min_bytes: int = 1 << 20, copy_host: boo
     return stats
 
 
-__all__: List[str] = ["HostOffload", "enable_activation_offload"]
+__all__: List[str] = ["HostOffload", "checkpoint_min_bytes", "enable_activation_offload"]

@@ -200,7 +200,7 @@ def _step(model, batch, docs) -> _Step:
             out = model_forward(model, batch)
         forward_peak = live.peak
         with fw.KernelLog() as back, fw.engine_free_autograd():
-            fw.backward(out, torch.ones_like(out), keep=lambda leaf: not isinstance(leaf, torch.nn.Parameter))
+            fw.backward(out, torch.ones_like(out), keep=fw.not_a_parameter)
         del out
     return _Step(log, back, flops, forward_peak, live.peak)
 

@@ -10,7 +10,7 @@ from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from ulysses_mcore.megatron.layer.memory import enable_chunked_loss
-from ulysses_mcore.megatron.layer.offload import enable_activation_offload
+from ulysses_mcore.megatron.layer.offload import checkpoint_min_bytes, enable_activation_offload
 from ulysses_mcore.megatron.layer.rotary import DynamicOptions
 from ulysses_mcore.megatron.layer.specs import get_ulysses_layer_spec
 from ulysses_mcore.megatron.trainer import training
@@ -83,11 +83,11 @@ def _memory_hooks(args, core) -> None:
     """The chunked loss and the activation offload on the built GPTModel, when their flags ask."""
     if args.loss_chunk_tokens:
         enable_chunked_loss(core, args.loss_chunk_tokens)
-    if args.offload_activation_checkpoints:  # on a CPU host to host: the same bookkeeping, checked exactly
+    if args.offload_activation_checkpoints:
         sp = args.tensor_model_parallel_size if args.sequence_parallel else 1
         shards = args.ulysses_degree * args.context_parallel_size * sp
-        layer_input = args.seq_length // shards * args.micro_batch_size * args.hidden_size * (2 if args.bf16 else 4)
-        enable_activation_offload(core, min_bytes=layer_input // 2, copy_host=not torch.cuda.is_available())
+        least = checkpoint_min_bytes(args.seq_length, args.micro_batch_size, args.hidden_size, shards, args.bf16)
+        enable_activation_offload(core, min_bytes=least)
 
 
 def ddp_config_of(args) -> DistributedDataParallelConfig:
