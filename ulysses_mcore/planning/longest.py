@@ -7,8 +7,8 @@ bf16, the distributed optimizer with its state in host memory, full recompute wi
 host memory, the chunked loss, the tiled MLP -- and the memory model
 (:mod:`ulysses_mcore.planning.memory_model`) finds each one's longest sequence under the preset's memory
 less ``headroom`` (the allocator's share).  The winner is the longest; among equals the one the
-step-time model predicts fastest.  Tensor and Ulysses groups stay
-inside a node (their all-to-alls and all-reduces run every layer).  Pure arithmetic: no torch.
+step-time model predicts fastest.  Tensor and Ulysses groups stay inside a node (their all-to-alls
+and all-reduces run every layer), a ring only spans nodes.  Pure arithmetic: no torch.
 """
 
 from __future__ import annotations
@@ -137,21 +137,13 @@ def longest(shape: ModelShape, cluster: Cluster, tied: bool = False) -> List[Pla
     return sorted(plans, key=lambda p: (-p.seq_length, -p.tokens_per_s_per_gpu))
 
 
-def layout_flags(lay: Topology) -> List[str]:
-    """The trainer's flags of a layout."""
-    return [
-        "--tensor-model-parallel-size", str(lay.tp), "--ulysses-degree", str(lay.ulysses),
-        "--context-parallel-size", str(lay.cp), "--pipeline-model-parallel-size", str(lay.pp),
-    ]  # fmt: skip
-
-
 def dryrun_command(model_flags: List[str], plan: Plan, cluster: Cluster, extra: Optional[List[str]] = None) -> str:
     """The ``ulysses-mcore dryrun`` command that checks ``plan`` on fake CUDA."""
-    argv = ["ulysses-mcore", "dryrun", *model_flags, *layout_flags(plan.layout), *MEMORY_FLAGS, *(extra or [])]
+    argv = ["ulysses-mcore", "dryrun", *model_flags, *plan.layout.flags(), *MEMORY_FLAGS, *(extra or [])]
     argv += ["--micro-batch-size", "1", "--global-batch-size", str(plan.layout.dp)]
     argv += ["--seq-length", str(plan.seq_length), "--max-position-embeddings", str(plan.seq_length)]
     argv += ["--world-size", str(cluster.world), "--preset", cluster.preset]
     return " ".join(argv)
 
 
-__all__ = ["Cluster", "Plan", "MEMORY_FLAGS", "layouts", "plan_layout", "longest", "layout_flags", "dryrun_command"]
+__all__ = ["Cluster", "Plan", "MEMORY_FLAGS", "layouts", "plan_layout", "longest", "dryrun_command"]
