@@ -229,13 +229,19 @@ def _check_schedule(load, sched, saved, args):
     )
 
 
+def _torch_adams(optimizer) -> list:
+    """The torch Adams inside Megatron's distributed optimizer(s) (none with apex's or TE's fused Adam)."""
+    chain = getattr(optimizer, "chained_optimizers", [optimizer])
+    inners = [getattr(opt, "optimizer", None) for opt in chain if isinstance(opt, DistributedOptimizer)]
+    return [inner for inner in inners if isinstance(inner, torch.optim.Adam)]
+
+
 def _allocate_adam_state(optimizer) -> None:
     """Adam's state (zero moments, step 0) on each parameter of a torch Adam that has taken no step, to
     be overwritten by the load: Megatron's distributed optimizer reads the step from that state when
     neither apex nor Transformer Engine provides its fused Adam (the CPU, megatron-core 0.16 and 0.19)."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", None)
-        if not isinstance(opt, DistributedOptimizer) or not isinstance(inner, torch.optim.Adam) or inner.state:
+    for inner in _torch_adams(optimizer):
+        if inner.state:
             continue
         for group in inner.param_groups:
             for p in group["params"]:
@@ -250,10 +256,7 @@ def _restore_adam_steps(optimizer) -> None:
     """Each parameter's Adam step from its group's, as loaded: megatron-core's distributed optimizer
     without apex / TE copies the placeholder step of :func:`_allocate_adam_state` over the loaded one
     (it shares one step tensor between the parameters, then copies each parameter's template into it)."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", None)
-        if not isinstance(opt, DistributedOptimizer) or not isinstance(inner, torch.optim.Adam):
-            continue
+    for inner in _torch_adams(optimizer):
         for group in inner.param_groups:
             if "step" in group:
                 for p in group["params"]:
