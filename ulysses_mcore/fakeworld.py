@@ -30,6 +30,7 @@ Two things of a real GPU cannot be had without one, and are modelled here, by na
 from __future__ import annotations
 
 import contextlib
+import functools
 import heapq
 import itertools
 import traceback
@@ -399,30 +400,52 @@ def not_a_parameter(leaf) -> bool:
     return not isinstance(leaf, torch.nn.Parameter)
 
 
+@functools.lru_cache(maxsize=None)
+def _aliases(func) -> bool:
+    """Whether ``func``'s results share an input's storage (its schema marks them)."""
+    return any(r.alias_info is not None for r in func._schema.returns)
+
+
 class LiveBytes(TorchDispatchMode):
     """Bytes of the CUDA storages made under this mode and still alive, and their peak (a storage
     counts once, views and in-place results included).  Unlike torch's ``MemTracker`` it takes a
-    module that runs twice in a step (full recompute)."""
+    module that runs twice in a step (full recompute).  ``holders()``: what was live at the peak,
+    the largest groups first (the op that made each storage, its shape and dtype)."""
 
     def __init__(self):
         super().__init__()
-        self.live = WeakIdKeyDictionary()
+        self.live = WeakIdKeyDictionary()  # storage -> (bytes, label)
         self.now = self.peak = 0
+        self._snapshot, self._snapshot_at = [], 0
 
     def _free(self, nbytes: int) -> None:
         self.now -= nbytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if _aliases(func):  # a view, an in-place or out= result: no new storage (a parameter's view is not an activation)
+            return out
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type == "cuda":
                 st = t.untyped_storage()
                 if st not in self.live:
-                    self.live[st] = n = st.nbytes()
+                    n = st.nbytes()
+                    self.live[st] = (n, f"{func.overloadpacket.__name__} {list(t.shape)} {t.dtype}".replace("torch.", ""))
                     weakref.finalize(st, self._free, n)
                     self.now += n
                     self.peak = max(self.peak, self.now)
+                    if self.now > self._snapshot_at * 1.02:  # a new peak by 2%: who holds it
+                        self._snapshot, self._snapshot_at = list(self.live.values()), self.now
         return out
+
+    def holders(self, top: int = 4) -> List[str]:
+        """The largest groups of storages live at the peak (within 2%): ``"12.3 GB: mm [s, b, h] bfloat16 x 3"``."""
+        groups = defaultdict(lambda: [0, 0])
+        for n, label in self._snapshot:
+            groups[label][0] += n
+            groups[label][1] += 1
+        ranked = sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]
+        return [f"{n / 1e9:.1f} GB: {label} x {k}" for label, (n, k) in ranked]
 
 
 class SavedOnce(torch.autograd.graph.saved_tensors_hooks):

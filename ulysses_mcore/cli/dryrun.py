@@ -53,6 +53,7 @@ def _line(r) -> str:
             f" -> peak {p['total_bytes']:.2f} ({100 * (p['total_bytes'] / r.peak_gb - 1):+.1f}%)",
             f"  forward TFLOP: attention {r.forward_tflop['attention']:.2f} (model {r.model_forward_tflop['attention']:.2f}), "
             f"total {r.forward_tflop['total']:.2f} (model {r.model_forward_tflop['total']:.2f})",
+            f"  at the step's peak: {'; '.join(r.peak_holders) or 'nothing measured'}",
             f"  all-to-all sent per layer (forward): {r.all_to_all_gb_per_layer:.3f} GB; "
             f"predicted step on {r.preset}: {r.step_s:.2f} s; host reads 0, device mismatches 0",
         ]

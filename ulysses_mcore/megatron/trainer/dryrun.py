@@ -64,6 +64,7 @@ class RankReport:
     preset: str
     host_gb: float  # host memory of this rank: offloaded layer inputs (measured) and optimizer state (modelled)
     seconds: float
+    peak_holders: List[str] = field(default_factory=list)  # the largest live tensors at the step's peak, by op and shape
     findings: List[str] = field(default_factory=list)
 
     @property
@@ -187,6 +188,7 @@ class _Step:
     flops: object
     forward_peak: int
     step_peak: int
+    holders: List[str]
 
 
 def _step(model, batch, docs) -> _Step:
@@ -199,10 +201,10 @@ def _step(model, batch, docs) -> _Step:
         with fw.KernelLog() as log, fw.flop_counter(docs) as flops, fw.SavedOnce(), fw.recording_function_inputs():
             out = model_forward(model, batch)
         forward_peak = live.peak
-        with fw.KernelLog() as back, fw.engine_free_autograd():
+        with fw.KernelLog() as back, fw.engine_free_autograd(), fw.SavedOnce():  # the recompute's, too
             fw.backward(out, torch.ones_like(out), keep=fw.not_a_parameter)
         del out
-    return _Step(log, back, flops, forward_peak, live.peak)
+    return _Step(log, back, flops, forward_peak, live.peak, live.holders())
 
 
 def _stage_input(model, args, batch) -> None:
@@ -272,6 +274,7 @@ def run_rank(args, topo, label: str, rank: int, preset: str = "h100") -> RankRep
         preset=preset,
         host_gb=host,
         seconds=time.perf_counter() - t0,
+        peak_holders=step.holders,
     )
 
 
