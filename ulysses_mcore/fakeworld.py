@@ -400,7 +400,7 @@ def not_a_parameter(leaf) -> bool:
     return not isinstance(leaf, torch.nn.Parameter)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _aliases(func) -> bool:
     """Whether ``func``'s results share an input's storage (its schema marks them)."""
     return any(r.alias_info is not None for r in func._schema.returns)
@@ -423,14 +423,15 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if _aliases(func):  # a view, an in-place or out= result: no new storage (a parameter's view is not an activation)
+        if _aliases(func):  # a view, in-place or out= result: no new storage (a parameter's view is no activation)
             return out
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type == "cuda":
                 st = t.untyped_storage()
                 if st not in self.live:
                     n = st.nbytes()
-                    self.live[st] = (n, f"{func.overloadpacket.__name__} {list(t.shape)} {t.dtype}".replace("torch.", ""))
+                    label = f"{func.overloadpacket.__name__} {list(t.shape)} {t.dtype}".replace("torch.", "")
+                    self.live[st] = (n, label)
                     weakref.finalize(st, self._free, n)
                     self.now += n
                     self.peak = max(self.peak, self.now)

@@ -64,7 +64,7 @@ class RankReport:
     preset: str
     host_gb: float  # host memory of this rank: offloaded layer inputs (measured) and optimizer state (modelled)
     seconds: float
-    peak_holders: List[str] = field(default_factory=list)  # the largest live tensors at the step's peak, by op and shape
+    peak_holders: List[str] = field(default_factory=list)  # the largest live tensors at the step's peak
     findings: List[str] = field(default_factory=list)
 
     @property
