@@ -122,3 +122,21 @@ def test_flops_count_causal_attention_as_half(world):
         torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=False)
     assert full.get_total_flops() == 2 * 8 * 1024 * 1024 * (D + D)
     assert causal.get_total_flops() * 2 == full.get_total_flops()
+
+
+def test_live_bytes_count_new_storages_not_views_of_a_parameter(world):
+    """LiveBytes against bytes counted by hand: a weight's transpose and an in-place add make no
+    storage; a product does, freed when it dies; the peak's holders name it by op, shape, dtype."""
+    w = torch.nn.Parameter(torch.empty(1024, 4096, device="cuda", dtype=torch.bfloat16))
+    x = torch.empty(2048, 4096, device="cuda", dtype=torch.bfloat16)
+    live = fw.LiveBytes()
+    with live:
+        wt = w.t()  # a view of the parameter: no new bytes
+        assert live.now == 0
+        y = x @ wt  # [2048, 1024] bf16: 4 MiB
+        y.add_(1.0)  # in place: none
+        assert live.now == 2048 * 1024 * 2
+        z = y * 2  # another 4 MiB
+        del y, z
+    assert live.now == 0 and live.peak == 2 * 2048 * 1024 * 2
+    assert live.holders()[0].endswith("[2048, 1024] bfloat16 x 1")

@@ -136,7 +136,7 @@ def _states(c: _Shape, params: float):
 
 
 def _activations(c: _Shape) -> float:
-    """Bytes saved for backward: per layer per local token, plus the last stage's head (fp32)."""
+    """Bytes saved for backward: per layer per local token, plus the last stage's head."""
     h_tp, (hq, hk), d = c.hidden_size, c.heads, c.d  # norm / residual width (sequence parallel would divide by tp)
     layer = (
         (h_tp + 2)  # input layernorm: input + mean/rstd
@@ -155,9 +155,9 @@ def _activations(c: _Shape) -> float:
         ring = 6 * hk * d + 2 * (hq * d + hq) if c.cp > 1 else 0  # k/v blocks in flight, fp32 output and lse
         layer_full, layer = layer + exchange + ring, h_tp
         kept = min(c.layers, 2) if c.offload else c.layers  # offloaded: the one in use and the one prefetched
-    head = (c.hidden_size + 2) + c.hidden_size  # final norm, output-layer input
+    head = (c.hidden_size + 2) + c.hidden_size  # final norm, output-layer input (in the activations' dtype)
     tokens = c.s_local * c.micro_batch_size
-    return c.act * tokens * (kept * layer + layer_full) + 4 * tokens * head
+    return c.act * tokens * (kept * layer + layer_full + head)
 
 
 def _host(c: _Shape) -> float:
