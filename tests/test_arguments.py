@@ -48,6 +48,7 @@ def test_a_good_command_line_gives_the_layout():
         (["--lr-warmup-iters", "4"], 1, "--lr-warmup-iters 4 must be < --train-iters 4"),
         (["--ulysses-degree", "8"], 8, "--ulysses-degree 8 does not fit 4 query / 4 kv heads"),
         (["--ulysses-degree", "3"], 3, "--seq-length 32 must be divisible by ulysses"),
+        (["--vocab-size", "100"], 1, "--vocab-size 100 is below the byte tokenizer's 258 ids"),
     ],
 )
 def test_rules_name_the_flag(extra, world, needle):
@@ -61,3 +62,8 @@ def test_split_and_vocab():
         parse_split("a,b")
     args = _args("--make-vocab-size-divisible-by", "128")
     assert padded_vocab(args) % 128 == 0 and padded_vocab(args) >= 258  # the byte tokenizer's 258 ids
+    assert padded_vocab(_args("--vocab-size", "128256")) == 128256  # Llama 3's, a multiple of 128 already
+    assert padded_vocab(_args("--vocab-size", "1000", "--make-vocab-size-divisible-by", "64")) == 1024
+    from ulysses_mcore.megatron.trainer.data import ByteTokenizer
+
+    assert padded_vocab(_args("--make-vocab-size-divisible-by", "1")) == ByteTokenizer().vocab_size

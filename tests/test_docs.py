@@ -54,6 +54,7 @@ CATALOGUE = [  # (pattern the command matches, "run" with its runner, or the rea
     (r"^DEVICE_CHECK_CPU=1 bash tools/device_check\.sh DIR", "the suite runs it (tests/test_tools_device_check.py)"),
     (r"^python tools/gpu_model_check\.py --device cpu --quick", "the suite runs it (test_tools_gpu_model_check.py)"),
     (r"^bash tools/device_check\.sh", GPU),
+    (r"^bash tools/device_node_check\.sh", "needs an 8-GPU node (its CPU smoke run: tests/test_tools_device_check.py)"),
     (r"^bash tools/device_prepare\.sh", "needs the network (downloads wheels for a GPU lease)"),
     (r"^python tools/bench_", LONG),
     (r"^ulysses-mcore sweep ", "measures every layout: minutes (tests/test_cli_scaling.py runs a small sweep)"),

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The one prepared GPU check: everything a 15-minute GPU lease must measure, ended by an overall
-# deadline (8 minutes by default) on one GPU or on an 8-GPU node.  Usage (repo root, no network needed):
+# The prepared GPU check: what a 15-minute GPU lease must measure, ended by an overall deadline
+# (8 minutes by default) on one GPU or more.  Usage (repo root, no network needed):
 #     bash tools/device_check.sh OUT_DIR
 # OUT_DIR ends up holding exactly two files, both rewritten after every step, so whatever the lease
 # returns is complete up to the last finished step (the device machine returns at most 8 files):
@@ -17,62 +17,16 @@
 #   pretrain.txt       the trainer on every GPU, bf16, --ulysses-degree = GPUs, chunked loss on
 #   megatron_lm.txt    Megatron-LM's own pretrain_gpt.py through megatron_patches (at one GPU:
 #                      Megatron-LM alone, --ulysses-degree 1 turns the patches off; labelled so)
-# Runs from the source tree: installs nothing into the system, never changes torch.  Wheels in .whl/
-# (git-ignored, tools/device_prepare.sh) go into a scratch folder; Megatron-LM's GPT scripts come
-# from $MEGATRON_LM or .megatron-lm/.  A failed step does not stop the next; a step that would
-# start past the deadline is skipped, and summary.txt says so.
+#   longest.{json,md}  tools/longest_check.py: the plan's longest Llama-3-8B length for these GPUs,
+#                      trained with the plan's flags (3/4 of it again after an out-of-memory), last:
+#                      it takes what time is left (DEVICE_CHECK_STEPS=longest: that step alone)
+# The rules of both prepared checks (deadline, the two files, skipped steps, DEVICE_CHECK_STEPS, the
+# wheels in .whl/) are in tools/device_lib.sh; Megatron-LM's GPT scripts come from $MEGATRON_LM or
+# .megatron-lm/.  A first 8-GPU node: tools/device_node_check.sh.
 # DEVICE_CHECK_CPU=1: the same script on the CPU at small sizes (the suite's smoke run of it).
 set -uo pipefail
-PY=${PYTHON:-python3}  # the Python that holds torch with CUDA
-OUT="${1:?usage: tools/device_check.sh OUT_DIR}"
-DEADLINE=$((SECONDS + ${DEVICE_CHECK_SECONDS:-480}))
-CPU=${DEVICE_CHECK_CPU:-0}
-cd "$(dirname "$0")/.."
-GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
-if [ "$GPUS" -lt 1 ] && [ "$CPU" != 1 ]; then
-  echo "device check: no CUDA GPU visible to $PY (set PYTHON= to the Python with CUDA torch); nothing written" >&2
-  exit 1
-fi
-mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
-WORK=$(mktemp -d)/device_check && mkdir -p "$WORK"
-trap 'rm -rf "$(dirname "$WORK")"' EXIT
-export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore ULYSSES_GPU_WORLD=$GPUS
-SUMMARY="$OUT/summary.txt"
-: > "$SUMMARY"
-note() { echo "$*" | tee -a "$SUMMARY"; }
-pack() { tar czf "$OUT/results.tar.gz.tmp" --exclude=device_check/run/data -C "$(dirname "$WORK")" device_check && mv "$OUT/results.tar.gz.tmp" "$OUT/results.tar.gz"; }
-
-if ls .whl/*.whl >/dev/null 2>&1; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/../site" .whl/*.whl \
-    && export PYTHONPATH="$WORK/../site${PYTHONPATH:+:$PYTHONPATH}" || note "wheels in .whl/ did not install"
-fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-has() { "$PY" -c "import $1" >/dev/null 2>&1; }
-{
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "nvidia-smi: none"
-  "$PY" -c "import sys, torch; print('python', sys.version.split()[0], '| torch', torch.__version__, '| cuda', torch.version.cuda, '| gpus', torch.cuda.device_count())"
-  for m in megatron.core transformer_engine.pytorch flash_attn flash_attn_interface; do
-    has "$m" && echo "$m: present" || echo "$m: missing"
-  done
-} > "$WORK/env.txt" 2>&1
-note "device check: $GPUS GPU(s)$([ "$CPU" = 1 ] && echo ", CPU smoke run"); deadline in $((DEADLINE - SECONDS)) s; $(grep -c missing "$WORK/env.txt") optional package(s) missing"
-pack
-
-step() {  # step NAME SECONDS LOG COMMAND...: timed out at min(SECONDS, the time left), never stops the script
-  local name=$1 want=$2 log=$3 t0=$SECONDS rc left=$((DEADLINE - SECONDS - 5))
-  shift 3
-  if [ "$left" -lt 15 ]; then
-    note "$(printf '%-12s skipped: the overall deadline is %ss away' "$name" "$((DEADLINE - SECONDS))")"
-    return 124
-  fi
-  local secs=$((want < left ? want : left))
-  timeout -k 5 "$secs" "$@" > "$log" 2>&1
-  rc=$?
-  note "$(printf '%-12s rc=%-3s %4ss' "$name" "$rc" "$((SECONDS - t0))")$([ $rc = 124 ] && echo " (timed out at ${secs}s)")"
-  pack
-  return $rc
-}
-show() { sed 's/^/             /' | tee -a "$SUMMARY"; }
+OUT_ARG="${1:?usage: tools/device_check.sh OUT_DIR}" NAME="device check" DEFAULT_SECONDS=480
+source "$(dirname "$0")/device_lib.sh"
 
 if [ "$CPU" = 1 ]; then
   DEV=(--device cpu --quick)
@@ -123,6 +77,10 @@ fi
 for m in transformer_engine.pytorch flash_attn; do
   grep -q "$m: missing" "$WORK/env.txt" && note "skipped for a missing $m: its kernel tests and benchmark rows (they say so)"
 done
-note "device check done in $((SECONDS - DEADLINE + ${DEVICE_CHECK_SECONDS:-480})) s"
-pack
-echo "===== summary ($SUMMARY; everything in $OUT/results.tar.gz)"
+if has megatron.core; then
+  LONG=(--seconds "$((DEADLINE - SECONDS - 20))")
+  [ "$CPU" = 1 ] && LONG+=(--smoke --seq-length 1024)
+  step longest 600 "$WORK/longest.log" "$PY" tools/longest_check.py --out "$WORK" "${LONG[@]}"
+  grep -E "^\| [0-9,]+ \|" "$WORK/longest.md" 2>/dev/null | show
+fi
+finish

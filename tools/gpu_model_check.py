@@ -14,8 +14,11 @@ finishes (a failing one is recorded and the next runs; exit 1 if any failed):
 * ``speed``: bf16, 12 steps (9 timed): Ulysses' local spec at degree 1 against the baseline -- the
   same SDPA call without Ulysses (target: >= 0.98x its tokens/s, the same peak) -- and Ulysses with
   the chunked loss; labelled extra rows: Megatron's unfused ``DotProductAttention`` (fp32 softmax),
-  SDPA's cuDNN kernel, the TE specs where Transformer Engine is installed.  Tokens/s over the timed
-  steps, peak memory, MFU from one step's FLOPs counted by ``FlopCounterMode``;
+  SDPA's cuDNN kernel, the TE specs where Transformer Engine is installed.  Each variant its own row
+  (one that fails says so; the rest still run): tokens/s over the timed steps, peak memory, MFU from
+  the analytic FLOPs (``ModelShape.work``) against the measured matmul peak and against the
+  datasheet's, the kernel and the torch / CUDA versions (the FLOPs ``FlopCounterMode`` counts are
+  kept beside them in the JSON);
 * ``profile``: one step of the Ulysses model under ``torch.profiler`` and a GEMM recorder: fp32
   GEMMs, copy kernels and synchronisations, listed;
 * ``lengths``: tokens/s and peak memory of the Ulysses model per sequence length, doubling until
@@ -198,6 +201,46 @@ def _variants(dev):
     return names, skipped
 
 
+DATASHEET_TFLOPS = {  # dense bf16 peak by the device name's model (NVIDIA's datasheets, SXM parts)
+    "H200": 989,
+    "H100": 989,
+    "GH200": 989,
+    "A100": 312,
+    "B200": 2250,
+}
+
+
+def datasheet_tflops(device_name: str):
+    """The datasheet's dense bf16 TFLOP/s of a device by its name, None where the table has no entry."""
+    return next((v for k, v in DATASHEET_TFLOPS.items() if k in device_name.upper()), None)
+
+
+def analytic_step_tflop(size, seq, vocab) -> float:
+    """One training step of one ``seq``-token causal sequence (forward + backward = 3 forwards, no
+    recompute), TFLOP, from the planners' per-layer work (:meth:`ModelShape.work`)."""
+    from ulysses_mcore.planning.shape import ModelShape
+
+    shape = ModelShape(vocab_size=vocab, **size)
+    w = shape.work()
+    per_layer = seq * (w["mlp"] + w["projections"]) + w["attention"] * seq * (seq + 1) / 2
+    return 3 * (shape.num_layers * per_layer + w["logits"] * seq) / 1e12
+
+
+def kernel_of(name: str) -> str:
+    """The attention kernel a variant runs, with its version (every speed row carries it)."""
+    import megatron.core
+
+    if "-te" in name:
+        import transformer_engine
+
+        return f"transformer-engine {transformer_engine.__version__}"
+    if name == "baseline-cudnn":
+        return f"sdpa cuDNN {torch.backends.cudnn.version()}"
+    if name == "megatron-local":
+        return f"megatron-core {megatron.core.__version__} unfused"
+    return f"torch sdpa {torch.__version__}"
+
+
 def _measure(name, size, dtype, seq, vocab, data, dev):
     """One variant: tokens/s over the timed steps, peak memory, FLOPs of one step (counted)."""
     from ulysses_mcore.fakeworld import flop_counter
@@ -219,23 +262,43 @@ def _measure(name, size, dtype, seq, vocab, data, dev):
     return row
 
 
+def _measure_or_say(name, size, dtype, seq, vocab, data, dev):
+    """A variant's row; one that fails is a row saying how (the others still run: the table is kept)."""
+    versions = {"kernel": kernel_of(name), "torch": torch.__version__, "cuda": torch.version.cuda or "-"}
+    try:
+        return dict(_measure(name, size, dtype, seq, vocab, data, dev), **versions)
+    except Exception as e:  # noqa: BLE001 - the row says it failed; the next variant runs
+        fresh(dev)
+        return dict(
+            {"variant": name, "skipped": f"{name}: failed: {type(e).__name__}: {str(e).strip()[:200]}"}, **versions
+        )
+
+
 def section_speed(dev, quick, bf16_tflops=None):
     """Ulysses at degree 1 against the same kernel without Ulysses (the baseline: target >= 0.98x its
-    tokens/s, the same peak), with the chunked loss and the labelled extra rows; MFU from the counted
-    FLOPs against the bf16 peak measured on this device."""
+    tokens/s, the same peak), with the chunked loss and the labelled extra rows, each variant its own
+    row (a failing one says so); MFU from the analytic FLOPs against the matmul peak measured on this
+    device and against the datasheet's."""
     size, seq, vocab, n = (TINY, 256, 512, 5) if quick else (SPEED, 8192, 32768, 12)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     names, skipped = _variants(dev)
     data = batches(n, seq, vocab)
     rows = [{"variant": name, "skipped": f"{name}: {why}"} for name, why in skipped]
-    rows += [_measure(name, size, dtype, seq, vocab, data, dev) for name in names]
-    base = next(r for r in rows if r["variant"] == "baseline-sdpa")
-    for r in rows:
-        if "tokens_per_s" in r:
-            r["vs_baseline"] = r["tokens_per_s"] / base["tokens_per_s"]
-            r["memory_vs_baseline"] = r["peak_gb"] / base["peak_gb"] if base["peak_gb"] else None
-            if bf16_tflops:
-                r["mfu"] = r["step_tflop"] / r["step_s"] / bf16_tflops
+    rows += [_measure_or_say(name, size, dtype, seq, vocab, data, dev) for name in names]
+    sheet = datasheet_tflops(torch.cuda.get_device_name()) if dev.type == "cuda" else None
+    peaks = {"mfu": bf16_tflops, "mfu_datasheet": sheet}
+    return _against_baseline_and_peaks(rows, analytic_step_tflop(size, seq, vocab), peaks)
+
+
+def _against_baseline_and_peaks(rows, analytic_tflop, peaks):
+    """Each measured row's ratios to the baseline's row (None without one) and its MFU against each
+    of ``peaks`` (name -> TFLOP/s, None where unknown)."""
+    base = next((r for r in rows if r["variant"] == "baseline-sdpa" and "tokens_per_s" in r), None)
+    for r in (r for r in rows if "tokens_per_s" in r):
+        r["analytic_tflop"] = analytic_tflop
+        r["vs_baseline"] = r["tokens_per_s"] / base["tokens_per_s"] if base else None
+        r["memory_vs_baseline"] = r["peak_gb"] / base["peak_gb"] if base and base["peak_gb"] else None
+        r.update({k: analytic_tflop / r["step_s"] / p if p else None for k, p in peaks.items()})
     return rows
 
 
@@ -317,10 +380,12 @@ TABLES = {  # section -> (title, header, row format)
     ),
     "speed": (
         "Ulysses (degree 1) vs the same kernel without Ulysses (baseline-sdpa; target >= 0.98x, same peak)",
-        ["variant", "tokens/s", "peak GB", "vs baseline", "memory vs baseline", "MFU", "note"],
+        "variant,tokens/s,peak GB,vs baseline,memory vs baseline,MFU (measured peak),MFU (datasheet),kernel,"
+        "torch (cuda),note".split(","),
         lambda r: (
-            f"{r['variant']} | {r['tokens_per_s']:.0f} | {r['peak_gb']:.2f} | {r['vs_baseline']:.3f} | "
-            f"{_or_dash(r.get('memory_vs_baseline'))} | {_or_dash(r.get('mfu'))} | {r.get('note', '')}"
+            f"{r['variant']} | {r['tokens_per_s']:.0f} | {r['peak_gb']:.2f} | {_or_dash(r['vs_baseline'])} | "
+            f"{_or_dash(r.get('memory_vs_baseline'))} | {_or_dash(r.get('mfu'))} | "
+            f"{_or_dash(r.get('mfu_datasheet'))} | {r['kernel']} | {r['torch']} ({r['cuda']}) | {r.get('note', '')}"
         ),
     ),
     "profile": (

@@ -221,8 +221,8 @@ def _varlen_flops(q, cum_q, max_q, causal, v_dim, docs: Optional[List[int]]):
 
 
 def flop_mapping(docs: Optional[List[int]] = None) -> dict:
-    """``FlopCounterMode(custom_mapping=...)`` for the attention kernels: causal counted as half,
-    packed documents each on their own (``docs``: the packed document lengths, when known)."""
+    """``FlopCounterMode(custom_mapping=...)`` for the attention kernels (CUDA's and the CPU's): causal
+    counted as half, packed documents each on their own (``docs``: the packed document lengths, when known)."""
 
     def flash_sdpa(q, k, v, dropout_p=0.0, is_causal=False, *a, out_shape=None, **kw):
         return _sdpa_flops(q, k, v, is_causal)
@@ -234,6 +234,9 @@ def flop_mapping(docs: Optional[List[int]] = None) -> dict:
         return 2 * _sdpa_flops(q, k, v, is_causal)
 
     def eff_bwd(grad, q, k, v, bias, out, lse, dropout_p, grad_bias, is_causal=False, *a, out_shape=None, **kw):
+        return 2 * _sdpa_flops(q, k, v, is_causal)
+
+    def cpu_bwd(grad, q, k, v, out, lse, dropout_p, is_causal, *a, out_shape=None, **kw):
         return 2 * _sdpa_flops(q, k, v, is_causal)
 
     def varlen_fwd(q, k, v, cq, ck, mq, mk, dropout_p, is_causal, *a, out_shape=None, **kw):
@@ -256,6 +259,8 @@ def flop_mapping(docs: Optional[List[int]] = None) -> dict:
         aten._scaled_dot_product_efficient_attention: eff_sdpa,
         aten._scaled_dot_product_flash_attention_backward: flash_bwd,
         aten._scaled_dot_product_efficient_attention_backward: eff_bwd,
+        aten._scaled_dot_product_flash_attention_for_cpu: flash_sdpa,  # the CPU's kernel: the same counts
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: cpu_bwd,
         aten._flash_attention_forward: varlen_fwd,
         aten._flash_attention_backward: varlen_bwd,
     }

@@ -25,12 +25,6 @@ def build_parser():
     p = pretrain_parser(__doc__)
     g = p.add_argument_group("dry run")
     g.add_argument("--world-size", type=int, required=True, help="the ranks of the cluster the layout is for")
-    g.add_argument(
-        "--vocab-size",
-        type=int,
-        default=None,
-        help="the model's vocabulary (default: the trainer's byte tokenizer's, padded); e.g. 128256 for Llama 3",
-    )
     g.add_argument("--preset", choices=["h100", "h200"], default="h100", help="GPU of the step-time prediction")
     g.add_argument("--json", action="store_true", help="print the reports as JSON")
     p.set_defaults(fake_cuda=True)  # the GPU-only features are sized, not refused
@@ -81,7 +75,7 @@ def main(argv=None) -> int:
     from ulysses_mcore.megatron.trainer import dryrun
     from ulysses_mcore.megatron.trainer.arguments import padded_vocab
 
-    args.vocab_size = args.vocab_size or padded_vocab(args)
+    args.vocab_size = padded_vocab(args)
     try:
         reports = dryrun.run(args, args.world_size, args.preset)
     except ValueError as e:

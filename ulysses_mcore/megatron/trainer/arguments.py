@@ -332,6 +332,13 @@ _CONSISTENCY = (
         ),
     ),
     (
+        lambda a, t: a.vocab_size is not None and a.vocab_size < _TOKENIZER_IDS,
+        lambda a, t: (
+            f"--vocab-size {a.vocab_size} is below the byte tokenizer's {_TOKENIZER_IDS} ids: the embedding needs "
+            f"a row for every id; pass at least {_TOKENIZER_IDS}, or leave it out"
+        ),
+    ),
+    (
         lambda a, t: padded_vocab(a) % a.tensor_model_parallel_size,
         lambda a, t: (
             f"padded vocab {padded_vocab(a)} is not divisible by --tensor-model-parallel-size "
@@ -420,13 +427,14 @@ def validate(args, world_size: int):
     return topo
 
 
-def padded_vocab(args) -> int:
-    """The vocabulary padded to a multiple of --make-vocab-size-divisible-by (not x tp, unlike
-    Megatron-LM, so that checkpoints reshard across tp)."""
-    from ulysses_mcore.megatron.trainer.data import ByteTokenizer  # data imports Megatron (1.7 s): not for a flag check
+_TOKENIZER_IDS = 258  # the byte tokenizer's ids (data.ByteTokenizer: 256 bytes, end of document, padding)
 
+
+def padded_vocab(args) -> int:
+    """--vocab-size (default: the byte tokenizer's ids) padded to a multiple of
+    --make-vocab-size-divisible-by (not x tp, unlike Megatron-LM, so that checkpoints reshard across tp)."""
     m = args.make_vocab_size_divisible_by
-    return int(math.ceil(ByteTokenizer().vocab_size / m) * m)
+    return int(math.ceil((getattr(args, "vocab_size", None) or _TOKENIZER_IDS) / m) * m)
 
 
 def metrics_dir(args) -> str:

@@ -42,6 +42,7 @@ MODEL_FLAGS = (
     "num_query_groups",
     "position_embedding_type",
     "make_vocab_size_divisible_by",
+    "vocab_size",
     "tokenizer_type",
     "normalization",
     "swiglu",

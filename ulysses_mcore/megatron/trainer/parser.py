@@ -116,6 +116,13 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="the model's vocabulary before padding, at least the tokenizer's 258 ids (Megatron-LM's flag; "
+        "e.g. 128256 sizes Llama 3's embedding and output layer; the data stay byte tokens; default: 258)",
+    )
+    g.add_argument(
         "--offload-activation-checkpoints",
         action="store_true",
         help="keep the tensors the forward saves for the backward (with --recompute-granularity full: each "
