@@ -50,71 +50,32 @@ def ulysses_attention(
     first_head: int = 0,
     max_seqlen: Optional[int] = None,
 ):
-    """Exact attention over a sequence whose tokens are sharded contiguously over ``group``.
+    """Exact attention over a sequence whose tokens are sharded contiguously over ``group`` (size P).
 
-    Rank ``r`` of ``group`` (size ``P``) holds tokens ``r*s/P ... (r+1)*s/P - 1`` of every
-    sequence: ``query [s/P, b, hq, d]`` and ``key``/``value [s/P, b, hk, d]`` for
-    ``layout="sbhd"`` (``[b, s/P, h, d]`` for ``"bshd"``).  Returns this rank's output
-    shard in the same layout.  Differentiable (once: double backward is refused).
+    Arguments:
+        query: (s/P, b, hq, d) for ``layout="sbhd"``, (b, s/P, hq, d) for ``"bshd"``, (t/P, hq, d) for
+            ``"thd"``: this rank's tokens; fp32, bf16, fp16 or fp64.
+        key, value: the same with hk heads (hq % hk == 0); ``value`` may have another head dim dv.
+        group: the Ulysses process group (``None`` or size 1: the kernel alone).
+        causal: bool.  layout: "sbhd" | "bshd" | "thd".  backend: "sdpa" | "flash" | "te" | a callable.
+        softmax_scale: float, default 1/sqrt(d).  dropout_p: float.
+        attention_mask: bool (b|1, hq|1, s|1, s), True = masked, over the whole sequence.
+        attention_bias: additive, the mask's shape and the query's dtype.
+        check: True (the first call of a signature is validated on every rank) | False |
+            "every_call" (every call agrees with its group first: one all-reduce).
+        token_order: "contiguous" | "load_balanced" (Megatron's dual chunks) | "per_document" (THD).
+        overlap_chunks: int, head chunks whose all-to-alls overlap the others' attention.
+        ring_group: the ring's process group (size C) of the hybrid Ulysses x ring.
+        cu_seqlens: int32 (n+1,), the global document boundaries (``"thd"``), the same on every rank.
+        seqlens: int32 (n,), real document lengths inside padded slots.  max_seqlen: host int bound.
+        window_size: (left, right), -1 unbounded.  softmax_offset: (hq,), one sink logit per head.
+        return_lse: bool.  first_head: int, the model's index of ``query``'s head 0.
+    Return:
+        out: this rank's tokens in the input's layout, head dim dv; with ``return_lse`` also
+            lse: float32 (s/P, b, hq) (float64 for fp64 inputs), differentiable.
 
-    ``attention_mask`` (bool, True = masked, Megatron's convention) and ``attention_bias``
-    (additive) cover the *full* sequence: ``[b or 1, hq or 1, s, s]``.
-
-    ``check=True`` (default): the first call of each signature (shapes, dtypes, flags) exchanges
-    a typed record of every rank's inputs, so a bad input raises the same ``ValueError`` on every
-    rank instead of hanging a collective; the call is then prepared once (:mod:`ulysses_mcore.call`),
-    so later calls validate nothing and recompute nothing.  ``check=False`` skips the exchange.
-    ``check="every_call"`` (shapes or documents that change from call to call): also, every call
-    first agrees with its group on its signature, its document boundaries and whether any rank meets
-    it for the first time (one all-reduce of five integers), so ranks whose calls differ raise the
-    same ``ValueError`` instead of entering an all-to-all of mismatched sizes.  The default trusts
-    the boundaries of a later packed micro-batch (only the first of a signature is compared).
-    ``check`` and whether a backward runs must be the same on every rank of the group: a rank with
-    ``check=False`` beside ranks that check, or a rank that skips the backward its peers run, leaves
-    the others waiting in a collective until the process group's timeout.
-
-    ``token_order="load_balanced"``: Megatron's context-parallel (dual-chunk) shard -- rank ``r``
-    holds chunks ``r`` and ``2P-1-r`` of ``2P``; masks still cover the sequence in natural order.
-    ``"per_document"`` (packed input): Transformer Engine's / Megatron-LM's THD layout, every
-    document padded to a multiple of ``2P`` and dealt out in dual chunks (:func:`per_document_order`).
-
-    ``overlap_chunks=C > 1`` pipelines ``C`` head chunks' asynchronous all-to-alls with the other
-    chunks' attention (:mod:`ulysses_mcore.overlap`); ``2C`` all-to-alls each way.
-
-    ``ring_group`` (size ``C > 1``): hybrid Ulysses x ring; rank ``u`` of ``group`` and ``j`` of
-    ``ring_group`` hold shard ``u + P*j`` (Megatron's hierarchical context parallelism, Ulysses
-    inner); ring attention (:mod:`ulysses_mcore.ring`, or TE's p2p ring with ``backend="te"``)
-    covers the other ring shards.
-
-    ``layout="thd"``: ``query [t/P, hq, d]``, a packed stream split evenly, with ``cu_seqlens``
-    (int ``[n+1]``, the *global* document boundaries, identical on every rank); attention never
-    crosses a document.  ``seqlens`` (int ``[n]``): real document lengths when every document
-    sits in a longer padded slot ``cu_seqlens[i] .. cu_seqlens[i+1]`` (Megatron/TE's
-    ``cu_seqlens_q`` vs ``cu_seqlens_q_padded``); pad tokens are neither queries nor keys and
-    get zero output.  ``max_seqlen`` (a host int, Megatron's ``PackedSeqParams.max_seqlen_q``):
-    the longest document, or a bound on it, for the varlen kernels; without it they read it off
-    ``cu_seqlens`` (a device-to-host sync per call on a GPU).  A new batch's boundaries are not
-    a new signature: the first packed batch of a signature is validated, later ones are trusted.
-
-    ``value`` may have another head dim than ``query``/``key`` (multi-latent attention, e.g. 192
-    vs 128): the output has the value's.  ``attention_mask`` / ``attention_bias`` may broadcast
-    over batch, heads and query rows (``[1, 1, 1, s]``, ``[b, 1, 1, s]``): never expanded.
-
-    ``window_size=(left, right)``: sliding-window attention as Megatron, Transformer Engine and
-    flash-attn define it (query ``i`` sees keys ``i-left .. i+right``, -1 unbounded; with
-    ``causal`` the right reach is 0).  ``softmax_offset [hq]``: attention sinks, one logit per
-    query head (of the heads in ``query``; zeros = "off-by-one", a parameter = "learnable"),
-    differentiable; each rank's gradient covers its own queries (sum over the group, as
-    Megatron's DDP does for replicated weights).  Kernels are told which global heads they hold:
-    ``heads=(first_head + lo, first_head + hi)`` (``first_head``: index of ``query``'s head 0 in
-    the model, e.g. the tensor-parallel rank x heads per rank).  ``return_lse=True``: returns
-    ``(out, lse)``, the log-sum-exp of every query row in the output's layout without the last dim
-    (``[s/P, b, hq]`` for ``sbhd``), float32 (float64 for float64 inputs), differentiable; it
-    travels in the output's all-to-all (bit-cast into extra columns), so still one collective.
-
-    Collectives in steady state: forward 2 all_to_all_single, backward 2; a ring adds ``C-1``
-    shifts forward and ``2C-1`` backward.  ``group=None`` or a group of size 1 runs the kernel
-    directly.
+    Forward: two ``all_to_all_single``, backward two (a ring adds C-1 and 2C-1 shifts).  Bad input
+    raises the same ``ValueError`` on every rank before any data collective.  In detail: docs/api.md.
     """
     opts = attention_options(
         causal,
@@ -164,11 +125,8 @@ def release() -> None:
 @atexit.register
 def _let_go_at_exit() -> None:
     """At interpreter exit, while Python is still whole: every prepared call of every cache (the
-    modules' too) let go of the process groups they hold.  A group object kept
-    alive into interpreter finalization is destroyed there, after the runtime it needs is gone, and
-    gloo's destructor then ends the process with ``terminate called without an active exception``
-    (SIGABRT): 2 of 12, then 11 of 30 two-rank worlds without this hook, 0 of 100 with it
-    (tests/test_attention.py, docs/design.md)."""
+    modules' too) lets go of the process groups it holds, so none is destroyed during finalization
+    (where gloo aborts the process: docs/design.md, "No abort at exit")."""
     release()
     for cache in list(LIVE_CACHES):
         cache.clear()
