@@ -154,6 +154,25 @@ def test_functions_are_small():
     assert not big, f"functions over {SIZE_BOUNDS}: split them into named steps or tables\n" + "\n".join(big)
 
 
+POSITIONAL_BOUND = 5  # values a call inside the package passes by position; more go by name or in a record
+VARARGS = {"save_for_backward"}  # APIs whose arguments are a list by design
+
+
+def test_no_call_passes_more_than_five_positional_values():
+    """Inside the package, a call passes at most five values by position (a starred argument, a list
+    the callee takes whole, counts as one): more are named, or travel as one record."""
+    import ast
+
+    long = []
+    for path in sorted((ROOT / "ulysses_mcore").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call) or ast.unparse(node.func).split(".")[-1] in VARARGS:
+                continue
+            if len(node.args) > POSITIONAL_BOUND:
+                long.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node.func)}: {len(node.args)}")
+    assert not long, "calls with more than 5 positional values:\n" + "\n".join(long)
+
+
 def test_tests_mirror_modules():
     """tests/test_<module>.py for every module of ulysses_mcore/, its planning/ and megatron/ rooms, and
     tests/test_cli_<module>.py (test_cli.py for the dispatcher) for its cli/."""

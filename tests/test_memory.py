@@ -45,7 +45,7 @@ def test_chunked_cross_entropy_matches_float64_vocab_parallel(tp, chunk):
         Vl = V // world
         hd = hidden.clone().requires_grad_()
         wd = weight[rank * Vl : (rank + 1) * Vl].clone().requires_grad_()
-        loss = ChunkedLinearCrossEntropy.apply(hd, wd, labels, chunk, dist.group.WORLD, rank * Vl)
+        loss = ChunkedLinearCrossEntropy.apply(hd, wd, labels, chunk, (dist.group.WORLD, rank * Vl))
         (loss * upstream).sum().backward()
         return loss.detach(), hd.grad, wd.grad
 
@@ -69,7 +69,7 @@ def test_chunked_cross_entropy_negative_control():
 
     def rank_fn(rank, world):
         return ChunkedLinearCrossEntropy.apply(
-            hidden, weight[rank * 8 : (rank + 1) * 8], labels, 4, dist.group.WORLD, 0
+            hidden, weight[rank * 8 : (rank + 1) * 8], labels, 4, (dist.group.WORLD, 0)
         )
 
     loss = run_threaded(2, rank_fn)[0]
@@ -83,7 +83,7 @@ def test_chunked_cross_entropy_bf16_accumulates_in_fp32():
     hidden, weight = torch.randn(40, 32, generator=g), torch.randn(300, 32, generator=g) * 0.2
     labels = torch.randint(0, 300, (40,), generator=g)
     hb, wb = hidden.bfloat16().requires_grad_(), weight.bfloat16().requires_grad_()
-    loss = ChunkedLinearCrossEntropy.apply(hb, wb, labels, 16, None, 0)
+    loss = ChunkedLinearCrossEntropy.apply(hb, wb, labels, 16, (None, 0))
     assert loss.dtype == torch.float32
     loss.sum().backward()
     assert hb.grad.dtype == wb.grad.dtype == torch.bfloat16

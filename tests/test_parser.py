@@ -23,3 +23,58 @@ def test_pretrain_help_keeps_its_example_on_separate_lines(capsys):
         "--tensor-model-parallel-size 2 --ulysses-degree 2"
         in text.split("ulysses-mcore pretrain \\")[1].splitlines()[1]
     )
+
+
+def _megatron_lm_parser():
+    """Megatron-LM's own argument parser (megatron.training), or skip where it does not import."""
+    import argparse
+
+    import pytest
+
+    try:
+        from megatron.training.arguments import add_megatron_arguments
+    except Exception as e:  # noqa: BLE001 - the 0.19 wheel ships megatron.training; 0.16 leaves it to the checkout
+        pytest.skip(f"megatron.training does not import here: {type(e).__name__}: {e}")
+    return add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+
+
+OURS_ALONE = {  # the trainer's flags Megatron-LM does not have: this project's features and conveniences
+    "--ulysses-degree",
+    "--loss-chunk-tokens",
+    "--mlp-chunk-tokens",
+    "--offload-activation-checkpoints",
+    "--dynamic-ulysses",
+    "--dynamic-bucket",
+    "--dynamic-calibration",
+    "--calibration",
+    "--timing",
+    "--log-dir",
+    "--on-nan",
+}
+
+
+OTHER_VALUES = {  # Megatron-LM's flags the trainer takes with values of its own, and why
+    "--attention-backend": {"sdpa", "te"},  # the kernel inside Ulysses' exchange (torch's SDPA, TE's), not Megatron's
+    "--tokenizer-type": {"ByteTokenizer"},  # the one tokenizer that needs no download (the embedded corpus)
+}
+
+
+def test_flags_megatron_lm_also_has_mean_the_same_there():
+    """Megatron-LM's parser as the reference: a flag of the trainer that Megatron-LM defines is a switch
+    where it is one there and a value where it takes one, and its choices are a subset of Megatron-LM's."""
+    theirs = {s: a for a in _megatron_lm_parser()._actions for s in a.option_strings}
+    ours = {s: a for a in build_parser()._actions for s in a.option_strings if s.startswith("--") and s != "--help"}
+    differ = []
+    for flag, a in ours.items():
+        m = theirs.get(flag)
+        if m is None:
+            continue
+        if (a.nargs == 0) != (m.nargs == 0):
+            differ.append(f"{flag}: a switch in one, a value in the other")
+        elif a.choices and m.choices:
+            extra = set(a.choices) - {getattr(c, "name", c) for c in m.choices} - OTHER_VALUES.get(flag, set())
+            if extra:  # Megatron-LM's enums (AttnBackend) by their names
+                differ.append(f"{flag}: choices {sorted(extra)} not in Megatron-LM's")
+    assert not differ, differ
+    alone = set(ours) - set(theirs)
+    assert alone == OURS_ALONE, f"not Megatron-LM's: name them as Megatron-LM does, or list them: {sorted(alone)}"

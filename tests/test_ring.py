@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import ulysses_mcore
 from ulysses_mcore.megatron.layer.batch import document_mask
-from ulysses_mcore.blocks import blocks_of
+from ulysses_mcore.blocks import Scoring, blocks_of
 from ulysses_mcore.ring import ring_attention, ring_segments
 from tests.helpers import count_collectives, reference_attention, run_threaded, run_threaded_errors
 from tests.test_attention import FP32_RTOL, make_inputs, rel_err
@@ -185,11 +185,7 @@ def test_ring_collectives_and_block_skipping():
                     blocks_of(
                         ring_segments(j, C, S, "load_balanced"),
                         ring_segments(src, C, S, "load_balanced"),
-                        (None, 0),
-                        1.0,
-                        None,
-                        None,
-                        None,
+                        Scoring((None, 0), 1.0),
                     )
                 )
             )

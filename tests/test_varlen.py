@@ -5,7 +5,7 @@ equal to running each real document alone."""
 import torch
 
 from tests.helpers import reference_attention
-from ulysses_mcore.varlen import interleaved_boundaries, padded_varlen, real_token_rows, varlen_args
+from ulysses_mcore.varlen import Documents, interleaved_boundaries, padded_varlen, real_token_rows, varlen_args
 
 
 def test_boundaries_and_rows_of_padded_documents():
@@ -32,7 +32,7 @@ def test_a_varlen_call_over_padded_slots_equals_each_document_alone():
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(24, 1, 2, 8, generator=g) for _ in range(3))
     cu, lens = torch.tensor([0, 8, 20, 24]), torch.tensor([5, 11, 3])
-    out = padded_varlen(_per_sequence, {}, q, k, v, cu, lens, None)
+    out = padded_varlen(_per_sequence, {}, (q, k, v), Documents(cu, lens))
     for lo, n in ((0, 5), (8, 11), (20, 3)):
         ref = reference_attention(q[lo : lo + n], k[lo : lo + n], v[lo : lo + n], causal=True)
         torch.testing.assert_close(out[lo : lo + n].double(), ref, rtol=1e-5, atol=1e-6)

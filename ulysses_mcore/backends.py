@@ -39,7 +39,7 @@ from .orders import host_bounds, host_lengths
 from .flash import flash_attention
 from .ring import ring_attention
 from .te import te_attention
-from .varlen import padded_varlen
+from .varlen import Documents, padded_varlen
 
 BUILTIN_BACKENDS = ("sdpa", "flash", "te")
 Kernel = Callable[..., torch.Tensor]
@@ -128,7 +128,7 @@ def sdpa_attention(
             q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout, dropout_p=dropout_p, gqa=gqa
         )
     qb, kb, vb = (_to_bhsd(t, layout) for t in (q, k, v))
-    mask = _sdpa_mask(attention_mask, attention_bias, causal, qb.shape[2], kb.shape[2], q.dtype, q.device)
+    mask = _sdpa_mask(attention_mask, attention_bias, causal, (qb.shape[2], kb.shape[2]), like=q)
     gqa = qb.shape[1] != kb.shape[1]
     out = F.scaled_dot_product_attention(
         qb, kb, vb, attn_mask=mask, dropout_p=dropout_p, is_causal=False, scale=softmax_scale, enable_gqa=gqa
@@ -143,8 +143,10 @@ def _lse_tile(q) -> Optional[int]:
     return None if q.device.type == "cuda" else LSE_TILE
 
 
-def _sdpa_mask(attention_mask, attention_bias, causal: bool, S: int, Sk: int, dtype, device):
-    """SDPA's ``attn_mask`` from Megatron's mask (True = masked), an additive bias and causality."""
+def _sdpa_mask(attention_mask, attention_bias, causal: bool, lengths: Tuple[int, int], like: torch.Tensor):
+    """SDPA's ``attn_mask`` from Megatron's mask (True = masked), an additive bias and causality, for
+    ``lengths = (queries, keys)``, in ``like``'s dtype and on its device."""
+    (S, Sk), dtype, device = lengths, like.dtype, like.device
     allowed = None if attention_mask is None else ~attention_mask.to(torch.bool)
     if causal:
         tri = torch.ones(S, Sk, dtype=torch.bool, device=device).tril()
@@ -244,7 +246,7 @@ def _torch_varlen(q, k, v, cu_seqlens, seqlens, *, causal, softmax_scale, max_se
             k, v = (t.repeat_interleave(q.shape[2] // k.shape[2], dim=2) for t in (k, v))
         else:
             kw["enable_gqa"] = True
-    return padded_varlen(varlen_attn, kw, q, k, v, cu_seqlens, seqlens, max_seqlen)
+    return padded_varlen(varlen_attn, kw, (q, k, v), Documents(cu_seqlens, seqlens, max_seqlen))
 
 
 def is_installed(name: str) -> bool:

@@ -12,7 +12,7 @@ fused flash kernel of the device (:func:`fused_kernel`) and the matmul form's gr
 from __future__ import annotations
 
 import bisect
-from typing import List, Optional, Tuple
+from typing import Any, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -35,6 +35,18 @@ def attention_window(causal: bool, window_size) -> Window:
     return left, right
 
 
+class Scoring(NamedTuple):
+    """What every block's scores need besides its segments, fixed for one call: the window, the
+    softmax scale, the mask and bias (``[b|1, h|1, sq|1, sk]`` or None) and the packed documents
+    (host boundaries, device document ids) or None."""
+
+    window: Window
+    scale: float
+    mask: Optional[torch.Tensor] = None
+    bias: Optional[torch.Tensor] = None
+    docs: Any = None
+
+
 def tile_segments(segs: Segments, tile: Optional[int]) -> Segments:
     """Segments cut into pieces of at most ``tile`` tokens (``None``: as they are)."""
     if not tile:
@@ -54,8 +66,9 @@ def _doc_of(bounds, pos: int) -> int:
 class Block:
     """Scores of one (query segment, key segment) pair, masked, in the accumulation dtype."""
 
-    def __init__(self, qseg, kseg, window: Window, scale, mask, bias, docs=None):
+    def __init__(self, qseg, kseg, scoring: Scoring):
         (qs, qn), (ks, kn) = qseg, kseg
+        window, scale, mask, bias, docs = scoring
         left, right = window
         # hidden entirely: every key beyond every query's right reach, or before its left reach
         self.skip = (right is not None and ks > qs + qn - 1 + right) or (left is not None and ks + kn - 1 < qs - left)
@@ -156,11 +169,11 @@ def fused_kernel(q, same_dims: bool = True) -> Optional[str]:
     return "cuda" if _CUDA_FLASH is not None and flash_takes_head_dim(q.shape[-1]) else None
 
 
-def call_is_fused(q, same_dims: bool, mask, bias, docs, window_size) -> bool:
+def call_is_fused(q, same_dims: bool, scoring: Scoring, window_size) -> bool:
     """Whether every block of a call can take the fused kernel (then segments run whole, else the
     matmul engine's blocks are tiled to ``LSE_TILE`` tokens).  A window: on CUDA only, where the
     flash kernel takes it as its own arguments (:meth:`Block.flash_window`)."""
-    plain = mask is None and bias is None and docs is None
+    plain = scoring.mask is None and scoring.bias is None and scoring.docs is None
     kernel = fused_kernel(q, same_dims)
     return plain and kernel is not None and (kernel == "cuda" or not has_window(window_size))
 
@@ -199,14 +212,12 @@ def _cuda_forward(q, k, v, blk):
     b, hk, g, n, d = q.shape
     kn = k.shape[3]
     out, lse = _CUDA_FLASH(
-        _varlen_rows(q),
-        _varlen_rows(k),
-        _varlen_rows(v),
-        _seq_starts(b, n, q.device),
-        _seq_starts(b, kn, q.device),
-        n,
-        kn,
-        0.0,
+        *(_varlen_rows(t) for t in (q, k, v)),
+        cum_seq_q=_seq_starts(b, n, q.device),
+        cum_seq_k=_seq_starts(b, kn, q.device),
+        max_q=n,
+        max_k=kn,
+        dropout_p=0.0,
         return_debug_mask=False,
         **_cuda_window(blk),
     )[:2]
@@ -227,21 +238,18 @@ def _cuda_window(blk) -> dict:
     return kw
 
 
-def _cuda_backward(do, q, k, v, out, lse, blk):
+def _cuda_backward(blk, tensors):
+    do, q, k, v, out, lse = tensors
     b, hk, g, n, d = q.shape
     kn = k.shape[3]
     gq, gk, gv = _CUDA_FLASH_BWD(
-        _varlen_rows(do),
-        _varlen_rows(q),
-        _varlen_rows(k),
-        _varlen_rows(v),
-        _varlen_rows(out),
-        lse.permute(1, 2, 0, 3).reshape(hk * g, b * n).contiguous(),
-        _seq_starts(b, n, q.device),
-        _seq_starts(b, kn, q.device),
-        n,
-        kn,
-        0.0,
+        *(_varlen_rows(t) for t in (do, q, k, v, out)),
+        logsumexp=lse.permute(1, 2, 0, 3).reshape(hk * g, b * n).contiguous(),
+        cum_seq_q=_seq_starts(b, n, q.device),
+        cum_seq_k=_seq_starts(b, kn, q.device),
+        max_q=n,
+        max_k=kn,
+        dropout_p=0.0,
         rng_state=torch.zeros(2, dtype=torch.uint64, device=q.device),  # no dropout
         unused=torch.empty(0, device=q.device),
         **_cuda_window(blk),
@@ -253,11 +261,12 @@ def _cuda_backward(do, q, k, v, out, lse, blk):
     )
 
 
-def _fused_backward(do, q, k, v, out, lse, blk):
-    """Gradients of one block given the *final* out and lse (exact for a block of a ring), all in
-    q's dtype but the lse."""
+def _fused_backward(blk, tensors):
+    """Gradients of one block given ``tensors = (do, q, k, v, out, lse)`` with the *final* out and lse
+    (exact for a block of a ring), all in q's dtype but the lse."""
+    do, q, k, v, out, lse = tensors
     if q.device.type == "cuda":
-        return _cuda_backward(do, q, k, v, out, lse, blk)
+        return _cuda_backward(blk, tensors)
     b, hk, g, n, d = q.shape
     flat = lambda t: t.reshape(b, hk * g, *t.shape[3:])  # noqa: E731
     gq, gk, gv = _CPU_FLASH_BWD(
@@ -266,9 +275,9 @@ def _fused_backward(do, q, k, v, out, lse, blk):
         _expand4(k, g),
         _expand4(v, g),
         flat(out),
-        flat(lse).contiguous(),
-        0.0,
-        blk.windowed,
+        logsumexp=flat(lse).contiguous(),
+        dropout_p=0.0,
+        is_causal=blk.windowed,
         scale=blk.scale,
     )
     kn = k.shape[3]
@@ -286,14 +295,14 @@ def _heads5(t: torch.Tensor, hk: int, g: int) -> torch.Tensor:
     return t.unflatten(1, (hk, g))
 
 
-def blocks_of(q_segs: Segments, k_segs: Segments, window: Window, scale, mask, bias, docs):
+def blocks_of(q_segs: Segments, k_segs: Segments, scoring: Scoring):
     """The (query segment, key segment) blocks that are not hidden entirely, with the slices of
     the local query rows and of the key block they cover: ``(block, rows, cols)``."""
     koff = 0
     for kseg in k_segs:
         qoff = 0
         for qseg in q_segs:
-            blk = Block(qseg, kseg, window, scale, mask, bias, docs)
+            blk = Block(qseg, kseg, scoring)
             if not blk.skip:
                 yield blk, slice(qoff, qoff + qseg[1]), slice(koff, koff + kseg[1])
             qoff += qseg[1]
@@ -305,14 +314,13 @@ def safe_exp_diff(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isinf(a) & (a < 0), torch.zeros_like(a), torch.exp(a - b))
 
 
-def block_grads(blk, rq, rk, tensors, scale, fused_ok: bool):
+def block_grads(blk, rq, rk, tensors, fused_ok: bool):
     """(dq, dk, dv) of one (query segment, key segment) block, given the final out and lse."""
     q, k, v, do, out, lse, D, low = tensors
     if fused_ok and blk.fused(q, True):  # the fused kernel's backward (input dtype), fed the final out and lse
         do_in, out_in = low
-        return _fused_backward(
-            do_in[..., rq, :], q[..., rq, :], k[..., rk, :], v[..., rk, :], out_in[..., rq, :], lse[..., rq], blk
-        )
+        rows = (do_in[..., rq, :], q[..., rq, :], k[..., rk, :], v[..., rk, :], out_in[..., rq, :], lse[..., rq])
+        return _fused_backward(blk, rows)
     acc = out.dtype  # the matmul engine: one tile at a time in the accumulation dtype
     qa, ka, va = q[..., rq, :].to(acc), k[..., rk, :].to(acc), v[..., rk, :].to(acc)
     # 2. recompute probabilities with the final lse
@@ -321,8 +329,8 @@ def block_grads(blk, rq, rk, tensors, scale, fused_ok: bool):
     gv = torch.matmul(p.transpose(-1, -2), do[..., rq, :]).sum(2, keepdim=True)
     ds = p * (torch.matmul(do[..., rq, :], va.transpose(-1, -2)) - D[..., rq, None])
     # 4. dQ = dS K * scale ; dK = dS^T Q * scale (summed over the query group)
-    gq = torch.matmul(ds, ka) * scale
-    gk = (torch.matmul(ds.transpose(-1, -2), qa) * scale).sum(2, keepdim=True)
+    gq = torch.matmul(ds, ka) * blk.scale
+    gk = (torch.matmul(ds.transpose(-1, -2), qa) * blk.scale).sum(2, keepdim=True)
     return gq, gk, gv
 
 

@@ -31,7 +31,7 @@ from .options import NO_TENSORS, CallSite, CallTensors
 from .orders import token_orders
 from .overlap import ChunkRoutes, OverlappedUlysses
 from .ring import ring_attention
-from .routes import OutRoute, qkv_route
+from .routes import OutRoute, Shard, qkv_route
 from .te import te_attention
 from .validation import check_call, group_sizes
 
@@ -245,11 +245,11 @@ class PreparedCall:
         self.qkv = qkv_route(q, v, plan, rank, self.layout)
         A, B = q.shape[0], q.shape[1]
         self.dv = dv
-        self.out = OutRoute(plan, rank, A, B, dv + (lse_columns(q.dtype) if opts.return_lse else 0), self.layout)
+        self.out = OutRoute(plan, rank, Shard(A, B, dv + (lse_columns(q.dtype) if opts.return_lse else 0)), self.layout)
         sd = seq_dim(self.layout)
         self.orders = token_orders(opts.token_order, plan.ulysses, q.shape[sd] * plan.ulysses, q.device, sd)
         if opts.overlap_chunks > 1:
-            self.chunks = ChunkRoutes(plan, rank, opts.overlap_chunks, A, B, q.shape[3], self.layout)
+            self.chunks = ChunkRoutes(plan, rank, opts.overlap_chunks, Shard(A, B, q.shape[3]), self.layout)
 
     # ------------------------------------------------------------------------- per call
     def __call__(self, q, k, v, tensors):
@@ -286,14 +286,16 @@ class PreparedCall:
         qh, kh, vh = exchange_qkv(q, k, v, self.group, self.qkv)
         if self.kv_index is not None:
             kh, vh = kh.index_select(2, self.kv_index), vh.index_select(2, self.kv_index)
-        out = self._attend(qh, kh, vh, tensors, self.lo, self.hi - self.lo)
+        out = self._attend(qh, kh, vh, tensors, (self.lo, self.hi - self.lo))
         if self.opts.return_lse:  # the lse rides in the output's all-to-all, bit-cast into extra columns
             out, lse = out
             return unpack_lse(exchange_out(pack_lse(out, lse), self.group, self.out), self.dv, lse.dtype)
         return exchange_out(out, self.group, self.out)
 
-    def _attend(self, q, k, v, tensors, first, count):
-        """The kernel on this rank's heads ``first .. first + count``, in natural token order."""
+    def _attend(self, q, k, v, tensors, heads):
+        """The kernel on this rank's heads ``first .. first + count`` (``heads = (first, count)``), in
+        natural token order."""
+        first, count = heads
         kw = self._kw(tensors, first, first + count)
         if count != self.hi - self.lo:  # a head chunk (overlap): the global heads it holds
             kw = dict(kw, heads=(self.head0 + first, self.head0 + first + count))
@@ -307,14 +309,8 @@ class PreparedCall:
 
     def _overlapped(self, q, k, v, tensors):
         qc = self.chunks.qc
-        return OverlappedUlysses.apply(
-            q,
-            k,
-            v,
-            self.group,
-            self.chunks,
-            lambda lq, lk, lv, c: self._attend(lq, lk, lv, tensors, self.lo + c * qc, qc),
-        )
+        attend = lambda lq, lk, lv, c: self._attend(lq, lk, lv, tensors, (self.lo + c * qc, qc))  # noqa: E731
+        return OverlappedUlysses.apply(q, k, v, self.group, (self.chunks, attend))
 
 
 def ring_kernel(backend, ring_group, token_order: str):

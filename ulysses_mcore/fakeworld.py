@@ -100,17 +100,23 @@ def sdpa_choice(q, k, v, attn_mask, dropout_p: float, enable_gqa: bool) -> str:
     return "math"
 
 
-def _flash_sdpa(q, k, v, dropout_p, is_causal, scale):
-    return aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
+def _flash_sdpa(q, k, v, p):
+    """SDPA's flash kernel with ``p``: SDPA's keywords (dropout_p, is_causal, scale)."""
+    return aten._scaled_dot_product_flash_attention(
+        q, k, v, dropout_p=p["dropout_p"], is_causal=p["is_causal"], return_debug_mask=False, scale=p["scale"]
+    )[0]
 
 
-def _efficient_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale):
-    bias = attn_mask
+def _efficient_sdpa(q, k, v, p):
+    """SDPA's memory-efficient kernel with ``p``: SDPA's keywords (attn_mask, dropout_p, is_causal, scale)."""
+    bias = p["attn_mask"]
     if bias is not None and bias.dtype == torch.bool:  # SDPA's boolean mask: True = attend
         bias = torch.zeros(bias.shape, dtype=q.dtype, device=q.device).masked_fill(~bias, float("-inf"))
     if bias is not None:
         bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-    return aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, dropout_p, is_causal, scale=scale)[0]
+    return aten._scaled_dot_product_efficient_attention(
+        q, k, v, bias, compute_log_sumexp=True, dropout_p=p["dropout_p"], is_causal=p["is_causal"], scale=p["scale"]
+    )[0]
 
 
 class SdpaAsOnGpu(TorchFunctionMode):
@@ -128,12 +134,12 @@ class SdpaAsOnGpu(TorchFunctionMode):
         q, k, v = args[:3]
         p = dict(attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False)
         p.update(zip(("attn_mask", "dropout_p", "is_causal", "scale"), args[3:]), **kwargs)
-        choice = sdpa_choice(q, k, v, p["attn_mask"], p["dropout_p"], p["enable_gqa"])
+        choice = sdpa_choice(q, k, v, p["attn_mask"], dropout_p=p["dropout_p"], enable_gqa=p["enable_gqa"])
         self.choices[choice] += 1
         if choice == "flash":
-            return _flash_sdpa(q, k, v, p["dropout_p"], p["is_causal"], p["scale"])
+            return _flash_sdpa(q, k, v, p)
         if choice == "efficient":
-            return _efficient_sdpa(q, k, v, p["attn_mask"], p["dropout_p"], p["is_causal"], p["scale"])
+            return _efficient_sdpa(q, k, v, p)
         return func(*args, **kwargs)
 
 
@@ -200,24 +206,26 @@ class KernelLog(TorchDispatchMode):
 
 
 # ----------------------------------------------------------------------------- FLOPs
-def _attention_flops(b, h, sq, sk, d, dv, causal: bool) -> int:
-    """QK^T and PV of one attention, multiply-adds counted twice; causal computes about half."""
+def _attention_flops(b, h, lengths, dims, causal: bool) -> int:
+    """QK^T and PV of one attention of ``lengths = (queries, keys)`` and head ``dims = (d, dv)``,
+    multiply-adds counted twice; causal computes about half."""
+    (sq, sk), (d, dv) = lengths, dims
     full = 2 * b * h * sq * sk * (d + dv)
     return full // 2 if causal and sq == sk else full
 
 
 def _sdpa_flops(q_shape, k_shape, v_shape, causal):
     b, h, sq, d = q_shape
-    return _attention_flops(b, h, sq, k_shape[2], d, v_shape[-1], causal)
+    return _attention_flops(b, h, (sq, k_shape[2]), (d, v_shape[-1]), causal)
 
 
-def _varlen_flops(q, cum_q, max_q, causal, v_dim, docs: Optional[List[int]]):
+def _varlen_flops(q, max_q, causal, v_dim, docs: Optional[List[int]]):
     """Packed documents: each document attends to itself (the boundaries' values are unknown on
     fake tensors, so ``docs`` -- the document lengths the caller packed -- count; else the longest
     document stands for all, an upper bound)."""
     t, h, d = q
     lens = docs if docs else [max_q] * max(1, t // max(1, max_q))
-    return sum(_attention_flops(1, h, n, n, d, v_dim, causal) for n in lens)
+    return sum(_attention_flops(1, h, (n, n), (d, v_dim), causal) for n in lens)
 
 
 def flop_mapping(docs: Optional[List[int]] = None) -> dict:
@@ -240,16 +248,16 @@ def flop_mapping(docs: Optional[List[int]] = None) -> dict:
         return 2 * _sdpa_flops(q, k, v, is_causal)
 
     def varlen_fwd(q, k, v, cq, ck, mq, mk, dropout_p, is_causal, *a, out_shape=None, **kw):
-        return _varlen_flops(q, cq, mq, is_causal or kw.get("window_size_right") == 0, v[-1], docs)
+        return _varlen_flops(q, mq, is_causal or kw.get("window_size_right") == 0, v[-1], docs)
 
     def varlen_bwd(grad, q, k, v, out, lse, cq, ck, mq, mk, dropout_p, is_causal, *a, out_shape=None, **kw):
-        return 2 * _varlen_flops(q, cq, mq, is_causal or kw.get("window_size_right") == 0, v[-1], docs)
+        return 2 * _varlen_flops(q, mq, is_causal or kw.get("window_size_right") == 0, v[-1], docs)
 
     def torch_varlen(q, k, v, cq, ck, mq, mk, is_causal=False, *a, out_shape=None, **kw):
-        return _varlen_flops(q, cq, mq, is_causal, v[-1], docs)
+        return _varlen_flops(q, mq, is_causal, v[-1], docs)
 
     def torch_varlen_bwd(grad, q, k, v, out, lse, cq, ck, mq, mk, is_causal, *a, out_shape=None, **kw):
-        return 2 * _varlen_flops(q, cq, mq, is_causal, v[-1], docs)
+        return 2 * _varlen_flops(q, mq, is_causal, v[-1], docs)
 
     table = {}
     if _varlen_op("_varlen_attn") is not None:  # torch.nn.attention.varlen's custom ops

@@ -9,7 +9,7 @@ from typing import Optional, Tuple
 
 
 from .options import FLASH_HEAD_DIM_STEP, FLASH_MAX_HEAD_DIM, flash_takes_head_dim
-from .varlen import first_output, kernel_window, padded_varlen
+from .varlen import Documents, first_output, kernel_window, padded_varlen
 
 
 def _installed(module: str) -> bool:
@@ -95,6 +95,6 @@ def flash_attention(q, k, v, *, causal, softmax_scale=None, layout="sbhd", dropo
     args = flash_call_args(which, dropout_p, softmax_scale, causal, kernel_window(kw))
     cu = kw.get("cu_seqlens")
     if cu is not None:
-        return padded_varlen(varlen, args, q, k, v, cu, kw.get("seqlens"), kw.get("max_seqlen"))
+        return padded_varlen(varlen, args, (q, k, v), Documents(cu, kw.get("seqlens"), kw.get("max_seqlen")))
     to_bshd = (lambda t: t.transpose(0, 1)) if layout == "sbhd" else (lambda t: t)
     return to_bshd(first_output(dense(to_bshd(q), to_bshd(k), to_bshd(v), **args)))

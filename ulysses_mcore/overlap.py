@@ -23,19 +23,19 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .heads import HeadPlan
-from .routes import OutRoute, QkvRoute
+from .routes import OutRoute, QkvRoute, Shard
 from .transport import POOL
 
 
 class ChunkRoutes:
     """The routes of one chunk (all chunks have the same shape), made once per prepared call."""
 
-    def __init__(self, plan: HeadPlan, rank: int, chunks: int, A: int, B: int, d: int, layout: str):
+    def __init__(self, plan: HeadPlan, rank: int, chunks: int, shard: Shard, layout: str):
         ulysses, C = plan.ulysses, chunks
         self.ulysses, self.C, self.qc, self.kc = ulysses, C, plan.q_count(0) // C, plan.kv_count(0) // C
         chunk_plan = HeadPlan(ulysses * self.qc, ulysses * self.kc, ulysses)
-        self.qkv = QkvRoute(chunk_plan, rank, A, B, d, d, layout)
-        self.out = OutRoute(chunk_plan, rank, A, B, d, layout)
+        self.qkv = QkvRoute(chunk_plan, rank, shard, layout)
+        self.out = OutRoute(chunk_plan, rank, shard, layout)
 
     def views(self, t: torch.Tensor, n: int, c: int) -> torch.Tensor:
         """Chunk ``c``'s ``[A, B, P, n, d]`` heads of a token shard ``[A, B, P*C*n, d]``."""
@@ -44,7 +44,10 @@ class ChunkRoutes:
 
 class OverlappedUlysses(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, routes: ChunkRoutes, run_kernel):
+    def forward(ctx, q, k, v, group, job):
+        """``job = (routes, run_kernel)``: the prepared call's :class:`ChunkRoutes` and the kernel on
+        chunk ``c``'s heads, ``run_kernel(q, k, v, c)``."""
+        routes, run_kernel = job
         C, qc, kc = routes.C, routes.qc, routes.kc
         pending = []
         for c in range(C):  # 1. every chunk's q/k/v exchange goes out at once
@@ -88,4 +91,4 @@ class OverlappedUlysses(torch.autograd.Function):
             work.wait()
             routes.qkv.unpack_grad(recv, routes.views(dq, qc, c), routes.views(dk, kc, c), routes.views(dv, kc, c))
         ctx.leaves = None
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None

@@ -46,7 +46,7 @@ another size than query/key heads (MLA), and the log-sum-exp as a differentiable
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Any, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -54,6 +54,7 @@ import torch.distributed as dist
 from .heads import seq_dim
 from .transport import all_to_all
 from .blocks import (
+    Scoring,
     Segments,
     attention_window,
     backward_tile,
@@ -97,6 +98,18 @@ def _wait(work):
         work.wait()
 
 
+class RingWalk(NamedTuple):
+    """One call's walk over the ring, fixed for the call: the ring's ``group`` (None: no ring), what
+    every block's scores need (:class:`~ulysses_mcore.blocks.Scoring`), the whole sequence's length,
+    the token order of the shards and the tile (None: segments whole)."""
+
+    group: Any
+    scoring: Scoring
+    seq_len: int
+    token_order: str
+    tile: Optional[int]
+
+
 def _ring_size(group) -> Tuple[int, int]:
     return (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
 
@@ -109,10 +122,11 @@ class LseAttention(torch.autograd.Function):
     (``[hk*g]`` logits or None): one extra key per head with score ``sink`` and value 0 -- the
     softmax's denominator gains ``exp(sink)`` (off-by-one: 0; learnable: a parameter).  ``tile``:
     query and key segments cut into tiles of that many tokens, so the scores held at once are
-    ``[b, h, tile, tile]`` and tiles outside the window are never computed."""
+    ``[b, h, tile, tile]`` and tiles outside the window are never computed (``walk``: :class:`RingWalk`)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sink, group, window, scale, seq_len, token_order, mask, bias, docs, tile):
+    def forward(ctx, q, k, v, sink, walk: RingWalk):
+        group, scoring, seq_len, token_order, tile = walk
         C, me = _ring_size(group)
         acc = torch.promote_types(q.dtype, torch.float32)  # the merge's dtype (and the matmul engine's)
         d, same = k.shape[-1], k.shape[-1] == v.shape[-1]
@@ -125,7 +139,7 @@ class LseAttention(torch.autograd.Function):
             recv, work = _shift(kv, group) if step < C - 1 else (None, None)
             ka, va = (k, v) if kv is None else (kv[..., :d], kv[..., d:])
             k_segs = tile_segments(ring_segments(src, C, seq_len, token_order), tile)
-            for blk, rq, rk in blocks_of(my_segs, k_segs, window, scale, mask, bias, docs):
+            for blk, rq, rk in blocks_of(my_segs, k_segs, scoring):
                 if blk.fused(q, same):  # the input dtype through the fused kernel; its lse is fp32
                     b_out, b_lse = fused_forward(q[..., rq, :], ka[..., rk, :], va[..., rk, :], blk)
                     b_out, b_lse = b_out.to(acc), b_lse.to(acc)
@@ -149,22 +163,14 @@ class LseAttention(torch.autograd.Function):
             out *= safe_exp_diff(lse, new)[..., None]
             lse = new
         ctx.save_for_backward(q, k, v, sink, out, lse)
-        ctx.group, ctx.window, ctx.scale, ctx.seq_len, ctx.token_order = group, window, scale, seq_len, token_order
-        ctx.mask, ctx.bias, ctx.docs, ctx.tile = mask, bias, docs, tile
+        ctx.walk = walk
         ctx.set_materialize_grads(False)
         return out.to(q.dtype), lse.detach().clone()
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, sink, out, lse = ctx.saved_tensors
-        group, window, scale, seq_len, order, tile = (
-            ctx.group,
-            ctx.window,
-            ctx.scale,
-            ctx.seq_len,
-            ctx.token_order,
-            ctx.tile,
-        )
+        group, scoring, seq_len, order, tile = ctx.walk
         C, me = _ring_size(group)
         acc = out.dtype
         d, same = k.shape[-1], k.shape[-1] == v.shape[-1]
@@ -187,8 +193,8 @@ class LseAttention(torch.autograd.Function):
             dkv = torch.zeros(kv.shape, dtype=acc, device=k.device)  # this rank's part for block src
             dk, dv = dkv[..., :d], dkv[..., d:]
             k_segs = tile_segments(ring_segments(src, C, seq_len, order), tile)
-            for blk, rq, rk in blocks_of(my_segs, k_segs, window, scale, ctx.mask, ctx.bias, ctx.docs):
-                grads = block_grads(blk, rq, rk, (q, ka, va, do, out, lse, D, low), scale, fused_ok and same)
+            for blk, rq, rk in blocks_of(my_segs, k_segs, scoring):
+                grads = block_grads(blk, rq, rk, (q, ka, va, do, out, lse, D, low), fused_ok and same)
                 gq, gk, gv = grads
                 dq[..., rq, :] += gq
                 dk[..., rk, :] += gk
@@ -208,7 +214,7 @@ class LseAttention(torch.autograd.Function):
         _wait(incoming[1])
         dkv = incoming[0]
         dsink = sink_grad(sink, q, lse, D) if sink is not None and ctx.needs_input_grad[3] else None
-        return (dq.to(q.dtype), dkv[..., :d].to(k.dtype), dkv[..., d:].to(v.dtype), dsink) + (None,) * 9
+        return dq.to(q.dtype), dkv[..., :d].to(k.dtype), dkv[..., d:].to(v.dtype), dsink, None
 
 
 def ring_attention(
@@ -256,13 +262,10 @@ def ring_attention(
     if cu_seqlens is not None:  # the host boundaries decide which blocks meet; the ids mask the rest
         docs = (host_bounds(cu_seqlens), document_ids(cu_seqlens, S, q.device))
     window = attention_window(causal, window_size)
-    if tile is None and not call_is_fused(
-        q, k.shape[-1] == v.shape[-1], attention_mask, attention_bias, docs, window_size
-    ):
+    scoring = Scoring(window, scale, attention_mask, attention_bias, docs)
+    if tile is None and not call_is_fused(q, k.shape[-1] == v.shape[-1], scoring, window_size):
         tile = LSE_TILE  # the matmul engine: scores of one tile x tile block at a time
-    out, lse = LseAttention.apply(
-        q5, k5, v5, softmax_offset, group, window, scale, S, token_order, attention_mask, attention_bias, docs, tile
-    )
+    out, lse = LseAttention.apply(q5, k5, v5, softmax_offset, RingWalk(group, scoring, S, token_order, tile))
     out, lse = out.flatten(1, 2), lse.flatten(1, 2)  # [b, hq, Sq, dv], [b, hq, Sq]
     if layout == "sbhd":
         out, lse = out.permute(2, 0, 1, 3), lse.permute(2, 0, 1)

@@ -12,6 +12,7 @@ chunk, asynchronously.  Layout logic lives in :func:`~ulysses_mcore.heads.seq_di
 
 from __future__ import annotations
 
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -49,6 +50,19 @@ def _part(buf: torch.Tensor, start: int, heads: int, d: int) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- routes
+class Shard(NamedTuple):
+    """A token shard's shape around its heads: ``[A, B, heads, d]`` (``sbhd``: ``A, B = s/P, b``;
+    ``bshd``: ``b, s/P``); ``dv``: the value's head dim where it differs (multi-latent attention)."""
+
+    A: int
+    B: int
+    d: int
+    dv: Optional[int] = None
+
+    def with_dv(self) -> Shard:
+        return self if self.dv is not None else self._replace(dv=self.d)
+
+
 class QkvRoute:
     """The q/k/v exchange of one call shape, worked out once (cached with the prepared call):
     buffer shapes, split sizes, and each part's place as precomputed strided views, so a call
@@ -59,8 +73,8 @@ class QkvRoute:
     ``[A, B, P, n, d]`` (which is also how a head chunk of :mod:`ulysses_mcore.overlap` is
     given); other plans walk the destinations (uneven heads, kv groups straddling ranks)."""
 
-    def __init__(self, plan: HeadPlan, rank: int, A: int, B: int, dq: int, dv: int, layout: str):
-        ulysses = plan.ulysses
+    def __init__(self, plan: HeadPlan, rank: int, shard: Shard, layout: str):
+        ulysses, (A, B, dq, dv) = plan.ulysses, shard.with_dv()
         self.plan, self.layout, self.sd, self.ulysses, self.A, self.B, self.dq, self.dv = (
             plan,
             layout,
@@ -146,7 +160,7 @@ class QkvRoute:
     def start(self, send: torch.Tensor, group, async_op=False):
         """(receive buffer, work handle or None, send buffer: keep it until the work is done)."""
         recv = POOL.take(self.recv_shape, send.dtype, send.device)
-        return recv, all_to_all(recv, send, group, self.recv_splits, self.send_splits, async_op), send
+        return recv, all_to_all(recv, send, group, self.recv_splits, self.send_splits, async_op=async_op), send
 
     def received(self, recv: torch.Tensor):
         """The received buffer as this rank's q, k, v over the full sequence (sbhd: views)."""
@@ -168,7 +182,7 @@ class QkvRoute:
             else:
                 dst.copy_(g if self.sd == 0 else _by_block(g, self.sd, self.ulysses, self.A, self.B))
         recv = POOL.take(self.send_shape, ref.dtype, ref.device)
-        return recv, all_to_all(recv, buf, group, self.send_splits, self.recv_splits, async_op), buf
+        return recv, all_to_all(recv, buf, group, self.send_splits, self.recv_splits, async_op=async_op), buf
 
     def unpack_grad(self, recv: torch.Tensor, gq5, gk5, gv5) -> None:
         """Regular plans: the received gradient buffer into ``[A, B, P, n, d]`` views (a replicated kv
@@ -210,8 +224,8 @@ class OutRoute:
     """The output exchange of one call shape: this rank's heads ``n_me`` over the full sequence
     -> the token shard with every head.  Uniform plans: one ``[P, A, B, n, d]`` buffer each way."""
 
-    def __init__(self, plan: HeadPlan, rank: int, A: int, B: int, d: int, layout: str):
-        ulysses = plan.ulysses
+    def __init__(self, plan: HeadPlan, rank: int, shard: Shard, layout: str):
+        ulysses, (A, B, d, _) = plan.ulysses, shard
         self.plan, self.layout, self.sd, self.ulysses, self.A, self.B, self.d = (
             plan,
             layout,
@@ -240,7 +254,7 @@ class OutRoute:
         if not send.is_contiguous():
             send = POOL.take(self.buf_shape, out.dtype, out.device).copy_(send)
         recv = POOL.take(self.buf_shape if self.sizes is None else (sum(self.sizes),), out.dtype, out.device)
-        return recv, all_to_all(recv, send, group, self.sizes, self.mine, async_op), send
+        return recv, all_to_all(recv, send, group, self.sizes, self.mine, async_op=async_op), send
 
     def finish(self, recv: torch.Tensor, result5=None) -> torch.Tensor:
         """The received blocks as the token shard ``[A, B, h, d]``, or copied into a chunk's
@@ -264,7 +278,7 @@ class OutRoute:
         else:
             send = torch.cat([g[:, :, lo:hi].reshape(-1) for lo, hi in self.ranges])
         recv = POOL.take(self.buf_shape, send.dtype, send.device)
-        return recv, all_to_all(recv, send, group, self.mine, self.sizes, async_op), send
+        return recv, all_to_all(recv, send, group, self.mine, self.sizes, async_op=async_op), send
 
     def finish_grad(self, recv: torch.Tensor) -> torch.Tensor:
         if self.sd == 0:
@@ -273,9 +287,9 @@ class OutRoute:
 
 
 def qkv_route(q, v, plan: HeadPlan, rank: int, layout: str) -> QkvRoute:
-    return QkvRoute(plan, rank, q.shape[0], q.shape[1], q.shape[3], v.shape[3], layout)
+    return QkvRoute(plan, rank, Shard(q.shape[0], q.shape[1], q.shape[3], v.shape[3]), layout)
 
 
 def out_route(out_shard_shape, d: int, plan: HeadPlan, rank: int, layout: str) -> OutRoute:
     """The output route for token shards of ``out_shard_shape`` (``[A, B, ...]``) and head dim ``d``."""
-    return OutRoute(plan, rank, out_shard_shape[0], out_shard_shape[1], d, layout)
+    return OutRoute(plan, rank, Shard(out_shard_shape[0], out_shard_shape[1], d), layout)

@@ -98,7 +98,7 @@ POOL = BufferPool()
 
 
 # ----------------------------------------------------------------------------- the collective
-def all_to_all(out: torch.Tensor, inp: torch.Tensor, group, out_splits=None, in_splits=None, async_op=False):
+def all_to_all(out: torch.Tensor, inp: torch.Tensor, group, out_splits=None, in_splits=None, *, async_op=False):
     """The one all-to-all of the package (split sizes in elements of flat buffers, or None)."""
     if out_splits is not None:
         out, inp = out.view(-1), inp.reshape(-1)

@@ -4,6 +4,8 @@ slots -- everything device-side, nothing read on the host unless the caller give
 
 from __future__ import annotations
 
+from typing import NamedTuple, Optional
+
 import torch
 
 from .options import has_window
@@ -48,12 +50,25 @@ def first_output(out):
     return out[0] if isinstance(out, tuple) else out
 
 
-def padded_varlen(varlen, args, q, k, v, cu, seqlens, max_seqlen):
-    """Packed documents (``[t, 1, h, d]``); with ``seqlens`` (documents padded in their slots) each
-    pad runs as a sequence of its own and its rows are zeroed: nothing is read on the host."""
+class Documents(NamedTuple):
+    """Packed documents: ``cu`` (int ``[n+1]``, the boundaries), ``seqlens`` (int ``[n]``, real lengths
+    inside padded slots, or None) and ``max_seqlen`` (a host bound on the longest, or None)."""
+
+    cu: torch.Tensor
+    seqlens: Optional[torch.Tensor] = None
+    max_seqlen: Optional[int] = None
+
+
+def padded_varlen(varlen, args, qkv, docs: Documents):
+    """``qkv``: packed documents (``[t, 1, h, d]`` each) through a varlen kernel called as
+    ``varlen(q, k, v, cu_q, cu_k, max_q, max_k, **args)`` (flash-attn's and torch's order); with
+    ``seqlens`` (documents padded in their slots) each pad runs as a sequence of its own and its
+    rows are zeroed: nothing is read on the host."""
+    (q, k, v), (cu, seqlens, max_seqlen) = qkv, docs
     bounds = cu if seqlens is None else interleaved_boundaries(cu, seqlens)
     cu32, maxlen = varlen_args(bounds, q.device, max_seqlen)
-    out = first_output(varlen(q[:, 0], k[:, 0], v[:, 0], cu32, cu32, maxlen, maxlen, **args)).unsqueeze(1)
+    both = (cu32, cu32, maxlen, maxlen)  # queries' and keys' boundaries and longest: the same documents
+    out = first_output(varlen(q[:, 0], k[:, 0], v[:, 0], *both, **args)).unsqueeze(1)
     if seqlens is None:
         return out
     real = real_token_rows(cu, seqlens, q.shape[0])[:, None, None, None]

@@ -87,7 +87,7 @@ class Pricing:
         return Run(model, seq, 1, global_batch, bf16=True, recompute="full", distributed_optimizer=True)
 
 
-def best_layouts(pricing: Pricing, model: str, seq: int, gpus: int, global_batch: int, top: Optional[int] = 3):
+def best_layouts(pricing: Pricing, model: str, seq: int, gpus: int, *, global_batch: int, top: Optional[int] = 3):
     """The ``top`` layouts of ``gpus`` GPUs by predicted tokens/s per GPU (all: ``None``), and how many fit."""
     run = pricing.run(model, seq, global_batch)
     try:
@@ -106,9 +106,8 @@ def cmd_predict(a) -> int:
     pricing = Pricing.of(a)
     top = a.top if a.top is not None else (None if pricing.calibration else 1)
     for gpus in (int(g) for g in a.gpus.split(",")):
-        best, n = best_layouts(
-            pricing, a.model, a.seq_length, gpus, a.global_batch_size or pricing.global_batch(gpus), top
-        )
+        batch = a.global_batch_size or pricing.global_batch(gpus)
+        best, n = best_layouts(pricing, a.model, a.seq_length, gpus, global_batch=batch, top=top)
         if not best:
             budget = "" if pricing.budget_gb is None else f" in {pricing.budget_gb:g} GB"
             print(f"{gpus:5d} GPUs: no layout fits {a.model} at {a.seq_length} tokens{budget}")
@@ -190,7 +189,7 @@ def cmd_report(a) -> int:
     for model in ("llama8b", "llama70b"):
         for seq in (131072, 524288, 1048576):
             for gpus in (8, 16, 32, 64, 128, 256, 512, 1024):
-                top, n = best_layouts(pricing, model, seq, gpus, gpus, 2)
+                top, n = best_layouts(pricing, model, seq, gpus, global_batch=gpus, top=2)
                 if not top:
                     lines.append(f"| {model} | {seq // 1024}K | {gpus} | -- (nothing fits) | | | | | 0 |")
                     continue

@@ -19,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Tuple
 
 from ..bench import Report, progress
 from ..megatron.trainer.arguments import layout_problem
@@ -123,9 +124,10 @@ def _command(a, run: Run, lay: Topology, log_dir: str):
     return torchrun + ["-m", "ulysses_mcore.megatron.trainer.pretrain", *flags], os.environ.get("PYTHONPATH", "")
 
 
-def run_layout(a, run: Run, lay: Topology, index: int, count: int, key: str = "") -> dict:
-    """One training run of ``lay``; its row (timings in ``OUT/key``, the layout's name by default).
-    Shows a progress bar of its iterations."""
+def run_layout(a, run: Run, lay: Topology, position: Tuple[int, int], key: str = "") -> dict:
+    """One training run of ``lay``, run ``position = (index, count)`` of the sweep; its row (timings in
+    ``OUT/key``, the layout's name by default).  Shows a progress bar of its iterations."""
+    index, count = position
     log_dir = os.path.join(a.out, key or lay.name)
     cmd, pythonpath = _command(a, run, lay, log_dir)
     env = dict(os.environ, PYTHONPATH=pythonpath, OMP_NUM_THREADS="1")
@@ -277,7 +279,7 @@ def cmd_sweep(a) -> int:
         flush=True,
     )
     for i, (key, (run, lay)) in enumerate(todo, 1):
-        rec["rows"][key] = run_layout(a, run, lay, i, len(todo), key)
+        rec["rows"][key] = run_layout(a, run, lay, (i, len(todo)), key)
         report.section("rows", rec["rows"])  # resumable: every finished layout is on disk, its table and plot
     report.section("dropped", dropped)
     return 1 if any("error" in r for r in rec["rows"].values()) else 0

@@ -235,22 +235,27 @@ def place(
         first = min(range(0, ranks, d), key=lambda f: (max(clock[f : f + d]), f))  # the block free first
         end = max(clock[first : first + d]) + work
         tokens = sum(lengths[i] for i in docs)
-        cell = Cell(order, first, d, tuple(sorted(docs)), tokens, _per_rank(tokens, d, cap, bucket))
+        cell = Cell(
+            order, first, d, docs=tuple(sorted(docs)), tokens=tokens, per_rank=_per_rank(tokens, d, cap, bucket)
+        )
         for r in cell.ranks:
             clock[r], busy[r] = end, busy[r] + work
             per_rank[r].append(cell)
-    for r, bins in enumerate(_whole_micro_batches(lengths, degrees, cap, costs, clock, busy, per_rank)):
+    for r, bins in enumerate(_whole_micro_batches(lengths, degrees, cap, costs, (clock, busy, per_rank))):
         for docs in bins:
             tokens = sum(lengths[i] for i in docs)
-            per_rank[r].append(Cell(-1, r, 1, tuple(sorted(docs)), tokens, _per_rank(tokens, 1, cap, whole_bucket)))
+            per_rank_tokens = _per_rank(tokens, 1, cap, whole_bucket)
+            per_rank[r].append(Cell(-1, r, 1, docs=tuple(sorted(docs)), tokens=tokens, per_rank=per_rank_tokens))
     return Schedule(ranks, per_rank, degrees, clock, busy)
 
 
-def _whole_micro_batches(lengths, degrees, cap: int, costs: Costs, clock: List[float], busy: List[float], cells):
-    """Each rank's micro-batches of whole documents (degree 1), every rank as many as its documents
+def _whole_micro_batches(lengths, degrees, cap: int, costs: Costs, ranks):
+    """``ranks = (clock, busy, cells)``: every rank's clock and busy time (advanced here) and its cells
+    so far.  Each rank's micro-batches of whole documents (degree 1), every rank as many as its documents
     need (Megatron's schedule takes a count per rank: none is split to match its peers).  Longest
     first, each document goes where it ends first on the cost model's clock -- into a micro-batch of
     that rank with room (first fit), or a new one, which costs the micro-batch's own time (``cell``)."""
+    clock, busy, cells = ranks
     bins: List[List[List[int]]] = [[] for _ in clock]
     room: List[List[int]] = [[] for _ in clock]
     first_free = [not mine for mine in cells]  # a rank without a group cell runs one micro-batch regardless:

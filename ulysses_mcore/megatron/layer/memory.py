@@ -56,7 +56,9 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     run); the softmax, its reductions and the sum of the weight's gradient over chunks in fp32."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk: int, tp_group, vocab_start: int):
+    def forward(ctx, hidden, weight, labels, chunk: int, vocab):
+        """``vocab = (tp_group, vocab_start)``: the vocabulary's tensor-parallel group, this rank's first id."""
+        tp_group, vocab_start = vocab
         T, V = hidden.shape[0], weight.shape[0]
         lse = torch.empty(T, dtype=torch.float32, device=hidden.device)
         target = torch.empty(T, dtype=torch.float32, device=hidden.device)
@@ -101,7 +103,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             else:
                 grad_weight += part
             del p, part
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None
 
 
 def chunked_cross_entropy(
@@ -119,7 +121,7 @@ def chunked_cross_entropy(
     s, b, h = hidden.shape
     flat_labels = labels.transpose(0, 1).reshape(-1)  # [s*b], the order of hidden's rows
     loss = ChunkedLinearCrossEntropy.apply(
-        hidden.reshape(s * b, h), weight, flat_labels, max(1, int(chunk_tokens)), tp_group, vocab_start
+        hidden.reshape(s * b, h), weight, flat_labels, max(1, int(chunk_tokens)), (tp_group, vocab_start)
     )
     return loss.view(s, b).transpose(0, 1).contiguous()
 

@@ -200,7 +200,15 @@ def save_checkpoint(path, iteration, model, optimizer, scheduler, consumed_sampl
         except OSError as e:
             err = e
     _raise_if_failed(gather(_outcome(err, path)), path, tmp, iteration)
-    err = _write_state(tmp, iteration, model, optimizer, scheduler, consumed_samples, args)
+    err = _write_state(
+        tmp,
+        iteration,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        consumed_samples=consumed_samples,
+        args=args,
+    )
     _raise_if_failed(gather(_outcome(err, path)), path, tmp, iteration)
     _write_manifest(path, tmp, iteration)
     publish_checkpoint(path, tmp, final, iteration)
@@ -239,7 +247,7 @@ def writer_helpers_die_with_this_rank() -> None:
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable", "singleton_local_shards": False}
 
 
-def _write_state(tmp, iteration, model, optimizer, scheduler, consumed_samples, args):
+def _write_state(tmp, iteration, *, model, optimizer, scheduler, consumed_samples, args):
     """The sharded model and optimizer (every rank) and the train state (rank 0) into ``tmp``:
     this rank's error, or None (a failed collective is raised: it is not a save failure)."""
     writer_helpers_die_with_this_rank()

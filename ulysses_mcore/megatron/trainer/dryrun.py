@@ -204,7 +204,7 @@ def _step(model, batch, docs) -> _Step:
         with fw.KernelLog() as back, fw.engine_free_autograd(), fw.SavedOnce():  # the recompute's, too
             fw.backward(out, torch.ones_like(out), keep=fw.not_a_parameter)
         del out
-    return _Step(log, back, flops, forward_peak, live.peak, live.holders())
+    return _Step(log, back, flops, forward_peak=forward_peak, step_peak=live.peak, holders=live.holders())
 
 
 def _stage_input(model, args, batch) -> None:

@@ -48,8 +48,12 @@ class MetricsLog:
         if fresh:
             self.writer.writerow(self.COLUMNS)
 
-    def row(self, *values):
-        self.writer.writerow(values)
+    def row(self, **fields):
+        """One row of :attr:`COLUMNS` by name (a column not given is empty)."""
+        unknown = set(fields) - set(self.COLUMNS)
+        if unknown:
+            raise KeyError(f"metrics.csv has no column {sorted(unknown)}")
+        self.writer.writerow([fields.get(c, "") for c in self.COLUMNS])
         self.fh.flush()
 
 

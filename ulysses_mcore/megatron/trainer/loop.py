@@ -34,7 +34,7 @@ def release(run) -> None:
     dist.destroy_process_group()
 
 
-def train(args, topo, use_cuda, run):
+def train(args, topo, run):
     """Megatron-LM's pretraining loop in named steps: start-up, data, model, resume, then
     iterations (train step, log, evaluate, save, exit checks); ``run``: the entry's
     :class:`~ulysses_mcore.megatron.trainer.pretrain.RunState`, advanced here."""
@@ -42,17 +42,18 @@ def train(args, topo, use_cuda, run):
     if args.load:  # every check of the checkpoint before any work: the same error on every rank
         checkpoint = inspect_checkpoint(args)
     data = DataFeed(args, run.groups)
-    model, optimizer, scheduler = build_trainable(args)
+    parts = build_trainable(args)
+    model, optimizer = parts.model, parts.optimizer
     if args.load:
-        _resume(args, run, checkpoint, model, optimizer, scheduler)
+        _resume(args, run, checkpoint, parts)
     log = MetricsLog(args, run.iteration) if _is_logging_rank() else None
     timer = TimingLog(args, model, optimizer, run.groups) if args.timing else None
     data.announce(run.consumed)
     reason = None
-    save = functools.partial(_save, args, model, optimizer, scheduler)
+    save = functools.partial(_save, args, parts)
     saved = True  # nothing trained since the checkpoint (or the start) yet
     while run.iteration < args.train_iters:
-        _iteration(args, run, data, model, optimizer, scheduler, log, use_cuda)
+        _iteration(args, run, data, parts, log)
         if timer:
             timer.record(run.iteration)
         saved = bool(args.save and args.save_interval and run.iteration % args.save_interval == 0)
@@ -80,9 +81,9 @@ def _report_offload(model) -> None:
         )
 
 
-def _save(args, model, optimizer, scheduler, **state) -> None:
-    training.sync_params(model)  # --overlap-param-gather: the updated weights, not the previous step's
-    save_checkpoint(args.save, model=model, optimizer=optimizer, scheduler=scheduler, args=args, **state)
+def _save(args, parts, **state) -> None:
+    training.sync_params(parts.model)  # --overlap-param-gather: the updated weights, not the previous step's
+    save_checkpoint(args.save, **parts._asdict(), args=args, **state)
 
 
 def _is_logging_rank() -> bool:
@@ -124,12 +125,13 @@ def _initialize(args, topo):
     return None
 
 
-def _resume(args, run, checkpoint, model, optimizer, scheduler):
+def _resume(args, run, checkpoint, parts):
+    """``parts``: the (model, optimizer, scheduler) the checkpoint is loaded into."""
     ckpt, extra, note = checkpoint
     rank, t_load = dist.get_rank(), time.time()
     if rank == 0:
         print(f"loading checkpoint from {args.load} at iteration {extra['iteration']}{note}", flush=True)
-    run.iteration, run.consumed = load_checkpoint(ckpt, extra, model, optimizer, scheduler)
+    run.iteration, run.consumed = load_checkpoint(ckpt, extra, parts.model, parts.optimizer, parts.scheduler)
     if rank == 0:
         print(
             f"  successfully loaded checkpoint from {args.load} at iteration {run.iteration} "
@@ -142,8 +144,10 @@ def _resume(args, run, checkpoint, model, optimizer, scheduler):
         )
 
 
-def _iteration(args, run, data, model, optimizer, scheduler, log, use_cuda):
-    """One training iteration, its log line and row, and the evaluation when it is due."""
+def _iteration(args, run, data, parts, log):
+    """One training iteration of ``parts`` (model, optimizer, scheduler), its log line and row, and the
+    evaluation when it is due."""
+    model, optimizer, scheduler = parts
     G, t0 = args.global_batch_size, time.perf_counter()
     mbs = data.shard(data.sampler.microbatches(run.consumed))
     lr = optimizer.param_groups[0]["lr"]
@@ -175,15 +179,15 @@ def _iteration(args, run, data, model, optimizer, scheduler, log, use_cuda):
         if data.dynamic is not None:
             _log_schedule(data.dynamic.last, dt)
         log.row(
-            run.iteration,
-            run.consumed,
-            f"{m['loss']:.8e}",
-            f"{lr:.6e}",
-            f"{m['grad_norm']:.6f}",
-            f"{dt * 1e3:.2f}",
-            f"{tps:.1f}",
-            f"{peak:.3f}",
-            "train",
+            iteration=run.iteration,
+            consumed_samples=run.consumed,
+            lm_loss=f"{m['loss']:.8e}",
+            lr=f"{lr:.6e}",
+            grad_norm=f"{m['grad_norm']:.6f}",
+            ms_per_iter=f"{dt * 1e3:.2f}",
+            tokens_per_second=f"{tps:.1f}",
+            peak_memory_gb=f"{peak:.3f}",
+            kind="train",
         )
     if data.vsampler is not None and args.eval_interval and run.iteration % args.eval_interval == 0:
         _evaluate(args, run, data, model, log)
@@ -215,7 +219,7 @@ def _evaluate(args, run, data, model, log):
             f"lm loss PPL: {math.exp(min(val, 50)):.6E} |",
             flush=True,
         )
-        log.row(run.iteration, run.consumed, f"{val:.8e}", "", "", "", "", "", "valid")
+        log.row(iteration=run.iteration, consumed_samples=run.consumed, lm_loss=f"{val:.8e}", kind="valid")
 
 
 def _exit_reason(args, run):

@@ -4,6 +4,8 @@ dry run builds the same model (:func:`build_model`)."""
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import torch
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallelConfig
@@ -17,6 +19,14 @@ from ulysses_mcore.megatron.trainer import training
 from ulysses_mcore.megatron.trainer.arguments import padded_vocab
 from ulysses_mcore.megatron.trainer.checkpoint import schedule_from_flags
 from ulysses_mcore.planning.shape import ModelShape
+
+
+class Trainable(NamedTuple):
+    """What a training run updates: the DDP-wrapped GPTModel, its Megatron optimizer and LR scheduler."""
+
+    model: Any
+    optimizer: Any
+    scheduler: Any
 
 
 def build_trainable(args):
@@ -44,7 +54,7 @@ def build_trainable(args):
         override_opt_param_scheduler=args.override_opt_param_scheduler,
         use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
     )
-    return model, optimizer, scheduler
+    return Trainable(model, optimizer, scheduler)
 
 
 def build_model(args, *, vocab_size=None, wrap_ddp: bool = True, **config):

@@ -64,7 +64,7 @@ def main(argv=None):
 
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(minutes=args.distributed_timeout_minutes))
     try:
-        return loop.train(args, topo, use_cuda, run)
+        return loop.train(args, topo, run)
     except (ValueError, FileNotFoundError) as e:  # raised alike on every rank (data, checkpoint checks)
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
