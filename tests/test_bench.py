@@ -1,4 +1,4 @@
-"""The benchmark harness (ulysses_mcore.bench): a report rewritten as each section finishes, a failed
+"""The benchmark harness (ulysses_mcore.devtools.bench): a report rewritten as each section finishes, a failed
 rank named instead of awaited, and every committed table re-rendered from its JSON unchanged."""
 
 import importlib
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ulysses_mcore import bench
+from ulysses_mcore.devtools import bench
 
 ROOT = Path(__file__).resolve().parents[1]
 PERF = ROOT / "docs" / "perf"

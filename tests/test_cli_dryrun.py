@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.test_dryrun import MODEL
-from ulysses_mcore import fakeworld as fw
+from ulysses_mcore.devtools import fakeworld as fw
 
 needs_fake_cuda = pytest.mark.skipif(bool(fw.unavailable()), reason=fw.unavailable() or "-")
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ulysses_mcore import bench
+from ulysses_mcore.devtools import bench
 from ulysses_mcore.cli import sweep
 from ulysses_mcore.megatron.trainer.arguments import layout_problem
 from ulysses_mcore.planning.step_time import Run, enumerate_layouts

@@ -9,7 +9,7 @@ torch."""
 
 import pytest
 
-from ulysses_mcore import fakeworld as fw
+from ulysses_mcore.devtools import fakeworld as fw
 
 pytestmark = pytest.mark.skipif(bool(fw.unavailable()), reason=fw.unavailable() or "-")
 

@@ -20,7 +20,7 @@ import sys
 import pytest
 
 from tests.helpers import free_port, run_in_session
-from ulysses_mcore import fakeworld as fw
+from ulysses_mcore.devtools import fakeworld as fw
 
 pytestmark = [pytest.mark.spawn, pytest.mark.skipif(bool(fw.unavailable()), reason=fw.unavailable() or "-")]
 

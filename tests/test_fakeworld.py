@@ -1,4 +1,4 @@
-"""Every GPU route at cluster size on fake CUDA (ulysses_mcore.fakeworld): world 8 in one process,
+"""Every GPU route at cluster size on fake CUDA (ulysses_mcore.devtools.fakeworld): world 8 in one process,
 bf16, 8192 tokens, head dim 128, with the default ``check=True`` -- the kernel each call takes,
 forward and backward, its dtype and the all-to-all count; a planted device mismatch and a planted
 host read fail the run, named with their source line (negative controls).  Skipped under a
@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import ulysses_mcore
-from ulysses_mcore import fakeworld as fw
+from ulysses_mcore.devtools import fakeworld as fw
 
 pytestmark = pytest.mark.skipif(bool(fw.unavailable()), reason=fw.unavailable() or "-")
 WORLD, SEQ, D = 8, 8192, 128

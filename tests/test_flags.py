@@ -1,4 +1,4 @@
-"""Every flag of every ``ulysses-mcore`` command has a help line (ulysses_mcore.flags fills them from
+"""Every flag of every ``ulysses-mcore`` command has a help line (ulysses_mcore.devtools.flags fills them from
 each command's table), and ``pretrain --help`` keeps its example's line breaks."""
 
 import argparse

@@ -112,6 +112,17 @@ def test_megatron_rooms_import_only_rooms_below():
                 assert not up, f"{mod} imports {up} from a room above it"
 
 
+def test_the_core_imports_no_developer_tool():
+    """The attention core (the package's top-level modules) imports nothing of ``devtools`` (the fake
+    world, the benchmark harness, process lifetime, flag help); the tools may import the core."""
+    graph = _package_imports()
+    core = [m for m in graph if m.count(".") == 1]
+    assert "ulysses_mcore.attention" in core and "ulysses_mcore.devtools.fakeworld" in graph
+    for mod in core:
+        tools = sorted(d for d in graph[mod] if d.startswith("ulysses_mcore.devtools"))
+        assert not tools, f"{mod} imports {tools}"
+
+
 def test_planning_imports_nothing_above_it():
     """planning is arithmetic: no torch, no Megatron, nothing of the package outside planning but the
     layout itself (``topology``: rank math, numpy; the CLI hands planning the trainer's verdict on a
@@ -174,11 +185,16 @@ def test_no_call_passes_more_than_five_positional_values():
 
 
 def test_tests_mirror_modules():
-    """tests/test_<module>.py for every module of ulysses_mcore/, its planning/ and megatron/ rooms, and
+    """tests/test_<module>.py for every module of ulysses_mcore/, its planning/, devtools/ and megatron/ rooms, and
     tests/test_cli_<module>.py (test_cli.py for the dispatcher) for its cli/."""
     want = {
         f"test_{p.stem}.py"
-        for d in ("ulysses_mcore", "ulysses_mcore/planning", *(f"ulysses_mcore/megatron/{r}" for r in ROOMS))
+        for d in (
+            "ulysses_mcore",
+            "ulysses_mcore/planning",
+            "ulysses_mcore/devtools",
+            *(f"ulysses_mcore/megatron/{r}" for r in ROOMS),
+        )
         for p in (ROOT / d).glob("*.py")
         if p.stem not in ("__init__", "__main__")
     }

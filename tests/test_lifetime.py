@@ -1,4 +1,4 @@
-"""Helper processes die with the process that started them (ulysses_mcore.lifetime): a parent
+"""Helper processes die with the process that started them (ulysses_mcore.devtools.lifetime): a parent
 killed with SIGKILL -- no cleanup runs -- leaves no forked child and no spawned Manager server
 behind; without the parent-death signal the same child outlives it (the negative control)."""
 
@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARENT = textwrap.dedent("""
     import multiprocessing as mp, os, sys, time
     from multiprocessing.managers import SyncManager
-    from ulysses_mcore import lifetime
+    from ulysses_mcore.devtools import lifetime
 
     def sleeper():
         time.sleep(120)

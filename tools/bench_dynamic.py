@@ -33,7 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from tools.bench_dynamic_report import plot, predict_gpus, render  # noqa: E402
-from ulysses_mcore.bench import Report, progress  # noqa: E402
+from ulysses_mcore.devtools.bench import Report, progress  # noqa: E402
 from ulysses_mcore.megatron.trainer.dynamic import CPU_RATES  # noqa: E402
 from ulysses_mcore.planning.placement import Costs  # noqa: E402
 from ulysses_mcore.planning.shape import ModelShape  # noqa: E402

@@ -23,7 +23,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import torch  # noqa: E402
-from ulysses_mcore import bench  # noqa: E402
+from ulysses_mcore.devtools import bench  # noqa: E402
 
 
 def sync(dev):

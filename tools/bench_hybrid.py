@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from ulysses_mcore.bench import Report, run_world  # noqa: E402
+from ulysses_mcore.devtools.bench import Report, run_world  # noqa: E402
 
 
 def splits(world):

@@ -24,7 +24,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from ulysses_mcore.bench import Report, progress, run_world  # noqa: E402
+from ulysses_mcore.devtools.bench import Report, progress, run_world  # noqa: E402
 from ulysses_mcore.planning.memory_model import longest_sequence  # noqa: E402
 
 MODEL = dict(num_layers=4, hidden_size=256, ffn_hidden_size=1024, num_attention_heads=8, num_query_groups=4)

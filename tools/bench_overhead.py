@@ -29,7 +29,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from ulysses_mcore.bench import Report, progress, run_world  # noqa: E402
+from ulysses_mcore.devtools.bench import Report, progress, run_world  # noqa: E402
 
 
 def _median_us(fn, calls, barrier):

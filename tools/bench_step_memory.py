@@ -27,8 +27,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from ulysses_mcore import bench  # noqa: E402
-from ulysses_mcore.bench import Report, progress, run_world  # noqa: E402
+from ulysses_mcore.devtools import bench  # noqa: E402
+from ulysses_mcore.devtools.bench import Report, progress, run_world  # noqa: E402
 
 MODEL = dict(num_layers=2, hidden_size=256, ffn_hidden_size=1024, num_attention_heads=8, num_query_groups=4)
 VOCAB = 32768

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 
-from ulysses_mcore.bench import Report, progress
+from ulysses_mcore.devtools.bench import Report, progress
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = dict(layers=4, hidden=256, heads=8, groups=4, ffn=1024, vocab=384)

@@ -12,7 +12,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from ulysses_mcore.bench import Report, progress  # noqa: E402
+from ulysses_mcore.devtools.bench import Report, progress  # noqa: E402
 from ulysses_mcore.topology import Topology  # noqa: E402
 
 CONFIGS = [dict(tp=8, ulysses=8, pp=8), dict(tp=8, ulysses=4, cp=4, pp=4), dict(tp=4, ulysses=8, cp=2, pp=16, ep=8)]

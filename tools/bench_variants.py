@@ -26,7 +26,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from ulysses_mcore.bench import Report, progress  # noqa: E402
+from ulysses_mcore.devtools.bench import Report, progress  # noqa: E402
 
 HEADS, DIM, WINDOW = 4, 64, 512  # per rank after the all-to-all: 4 heads of 64 (MLA: v 32)
 VARIANTS = {

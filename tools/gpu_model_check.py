@@ -243,7 +243,7 @@ def kernel_of(name: str) -> str:
 
 def _measure(name, size, dtype, seq, vocab, data, dev):
     """One variant: tokens/s over the timed steps, peak memory, FLOPs of one step (counted)."""
-    from ulysses_mcore.fakeworld import flop_counter
+    from ulysses_mcore.devtools.fakeworld import flop_counter
 
     fresh(dev)
     model, opt = build(size, dtype, spec_of(name), seq, vocab)

@@ -20,7 +20,7 @@ import pstats
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from ulysses_mcore.bench import run_world  # noqa: E402
+from ulysses_mcore.devtools.bench import run_world  # noqa: E402
 
 
 def _profile(fn, calls):

@@ -64,7 +64,7 @@ def _layout(args) -> str:
 
 def main(argv=None) -> int:
     # torch's fake CUDA and Megatron (seconds of start-up) only once the flags parse
-    from ulysses_mcore import fakeworld as fw
+    from ulysses_mcore.devtools import fakeworld as fw
 
     args = build_parser().parse_args(argv)
     why = fw.unavailable()

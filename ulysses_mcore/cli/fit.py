@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 
-from ..bench import Report
+from ..devtools.bench import Report
 from ..planning.calibration import Calibration
 from ..planning.step_time import Run, fit, predict, rank_correlation, row_run
 from ..topology import Topology

@@ -8,7 +8,7 @@ import json
 
 from ..planning.memory_model import __doc__ as MODEL_DOC
 from ..planning.memory_model import estimate, longest_sequence
-from ..flags import explain
+from ..devtools.flags import explain
 from ..planning.calibration import Calibration, CalibrationError
 from ..planning.shape import ModelShape
 from ..planning.longest import MEMORY_FLAGS, Cluster, dryrun_command, longest

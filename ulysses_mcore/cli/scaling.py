@@ -30,7 +30,7 @@ import sys
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-from ..flags import explain
+from ..devtools.flags import explain
 from .fit import cmd_fit
 from .sweep import cmd_sweep, lengths_of
 from ..megatron.trainer.arguments import layout_problem

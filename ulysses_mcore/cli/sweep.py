@@ -5,7 +5,7 @@ The layouts (``tp x ulysses x cp x pp x dp``) the trainer accepts for the model 
 project's trainer (``ulysses-mcore pretrain --timing``) or, with ``--megatron-lm PATH``, Megatron-LM's
 ``pretrain_gpt.py`` -- and recorded in ``OUT/sweep.json`` (resumable: a layout there is not run
 again), ``OUT/sweep.md`` and ``OUT/sweep.png``, rewritten after every layout
-(:class:`ulysses_mcore.bench.Report`).
+(:class:`ulysses_mcore.devtools.bench.Report`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import sys
 import time
 from typing import Tuple
 
-from ..bench import Report, progress
+from ..devtools.bench import Report, progress
 from ..megatron.trainer.arguments import layout_problem
 from ..planning.step_time import Run, enumerate_layouts, memory_gb
 from ..topology import Topology

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
-from ulysses_mcore.lifetime import children_die_with_this_process, die_with_parent
+from ulysses_mcore.devtools.lifetime import children_die_with_this_process, die_with_parent
 from ulysses_mcore.megatron.trainer.errors import is_collective_failure
 
 MANIFEST = "ulysses_manifest.json"
@@ -227,7 +227,7 @@ def writer_helpers_die_with_this_rank() -> None:
     Manager -- a spawned server process it starts at the first save and keeps -- which outlives a
     rank that is killed.  Start that Manager here, with the parent-death signal armed in it, and
     hand its queue to Megatron (its module-level slot for it), before the first save.  Its forked
-    writers get the signal from :func:`ulysses_mcore.lifetime.children_die_with_this_process`."""
+    writers get the signal from :func:`ulysses_mcore.devtools.lifetime.children_die_with_this_process`."""
     children_die_with_this_process()
     try:
         from megatron.core.dist_checkpointing.strategies import filesystem_async as fa  # not in every release

@@ -3,7 +3,7 @@
 ``ulysses-mcore dryrun`` takes the ``pretrain`` flags plus ``--world-size N`` and, for each distinct
 kind of rank (each pipeline stage; Megatron's tensor-parallel shards are even, so one
 tensor-parallel rank stands for all), starts a fake world of N ranks as that rank
-(:mod:`ulysses_mcore.fakeworld`), builds the trainer's own GPTModel (``model.build_model``:
+(:mod:`ulysses_mcore.devtools.fakeworld`), builds the trainer's own GPTModel (``model.build_model``:
 the same spec, config and chunked loss) on fake CUDA through Megatron's real parallel state, and
 runs one forward micro-batch through Megatron's own code into this project's attention.  Then the
 backward kernels of the attention route, on the forward's own call signature.  What it reports per
@@ -31,7 +31,7 @@ import torch
 from megatron.core import parallel_state as ps
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from ulysses_mcore import fakeworld as fw
+from ulysses_mcore.devtools import fakeworld as fw
 from ulysses_mcore.megatron.compat.fake_cuda import stand_ins
 from ulysses_mcore.megatron.layer.batch import make_lm_batch, shard_batch
 from ulysses_mcore.megatron.layer.groups import destroy, initialize

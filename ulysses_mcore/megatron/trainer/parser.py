@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from ulysses_mcore.flags import explain
+from ulysses_mcore.devtools.flags import explain
 
 
 def build_parser(description: str = "") -> argparse.ArgumentParser:

@@ -27,7 +27,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ulysses_mcore import lifetime
+from ulysses_mcore.devtools import lifetime
 from ulysses_mcore.megatron.compat import cpu_compat
 from ulysses_mcore.megatron.trainer.arguments import check_output_dirs, validate
 from ulysses_mcore.megatron.trainer.errors import is_collective_failure

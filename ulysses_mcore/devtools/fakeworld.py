@@ -48,7 +48,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import GraphExecGroup
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .options import flash_takes_head_dim
+from ..options import flash_takes_head_dim
 
 aten = torch.ops.aten
 
@@ -501,7 +501,7 @@ def _topological(root) -> list:
 # ----------------------------------------------------------------------------- findings
 HOST_READ = "DataDependentOutputException"
 _NOT_THE_SOURCE = (
-    "/ulysses_mcore/fakeworld.py",
+    "/ulysses_mcore/devtools/fakeworld.py",
     "/ulysses_mcore/megatron/compat/fake_cuda.py",
 )  # the stand-ins' frames
 DEVICE_MISMATCH = "FakeTensorDeviceMismatchError"
