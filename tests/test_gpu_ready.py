@@ -162,7 +162,7 @@ def test_bf16_chunked_loss_runs_its_gemms_in_bf16():
     h, w = _bf16((96, 32), (200, 32))
     labels = torch.randint(0, 200, (96,), generator=torch.Generator().manual_seed(1))
     with GemmRecorder() as rec:
-        loss = ChunkedLinearCrossEntropy.apply(h, w, labels, 32, None, 0)
+        loss = ChunkedLinearCrossEntropy.apply(h, w, labels, 32, (None, 0))
         loss.sum().backward()
     assert rec.gemms and all(g[1] == torch.bfloat16 for g in rec.gemms), rec.gemms
     assert w.grad.dtype == torch.bfloat16 and h.grad.dtype == torch.bfloat16
