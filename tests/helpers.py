@@ -332,6 +332,21 @@ def shard_tokens(full: torch.Tensor, rank: int, ulysses: int, layout: str = "sbh
     return full.chunk(ulysses, dim=seq_dim(layout))[rank]
 
 
+def torchrun(ranks: int) -> list:
+    """``python -m torch.distributed.run`` for ``ranks`` processes on a free port (append the script)."""
+    import sys
+
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(ranks),
+        "--master-port",
+        str(free_port()),
+    ]
+
+
 def run_tool(script: str, *args: str, timeout: float = 300.0):
     """``python SCRIPT ARGS`` from the repository root, one thread, warnings off: a completed process."""
     import os

@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import pytest
 
-from tests.helpers import free_port, run_in_session
+from tests.helpers import run_in_session, torchrun
 from ulysses_mcore.devtools import fakeworld as fw
 
 pytestmark = [pytest.mark.spawn, pytest.mark.skipif(bool(fw.unavailable()), reason=fw.unavailable() or "-")]
@@ -59,8 +58,7 @@ def real(tmp_path_factory) -> dict:
     for world in LAYOUTS:
         cases, out = d / f"cases{world}.json", d / f"out{world}.json"
         cases.write_text(json.dumps([{"name": _name(world, m), "argv": _argv(world, m)} for m in (False, True)]))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world)]
-        cmd += ["--master-port", str(free_port()), "-m", "tests.memory_probe", str(out), str(cases)]
+        cmd = torchrun(world) + ["-m", "tests.memory_probe", str(out), str(cases)]
         rc, stdout, stderr = run_in_session(cmd, env=env, cwd=ROOT, timeout=300)
         assert rc == 0, (stdout + stderr)[-3000:]
         found |= json.loads(out.read_text())

@@ -7,11 +7,10 @@ import os
 import re
 import shlex
 import subprocess
-import sys
 
 import pytest
 
-from tests.helpers import free_port
+from tests.helpers import torchrun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = open(os.path.join(ROOT, "README.md")).read()
@@ -31,15 +30,7 @@ def test_the_api_example_runs_and_exits_clean(tmp_path, ranks):
     script = tmp_path / "example.py"
     script.write_text(block)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(ranks),
-        "--master-port",
-        str(free_port()),
-    ]
+    cmd = torchrun(ranks)
     r = subprocess.run([*cmd, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "terminate called" not in r.stderr, r.stderr[-3000:]
 

@@ -8,11 +8,10 @@ import math
 import os
 import shlex
 import subprocess
-import sys
 
 import pytest
 
-from tests.helpers import free_port, run_in_session
+from tests.helpers import run_in_session, torchrun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = {  # flag -> its reduced value (None: dropped)
@@ -90,16 +89,7 @@ def test_the_launcher_trains_at_a_reduced_size(script, tmp_path):
     assert {"--use-distributed-optimizer", "--recompute-granularity", "--bf16"} <= set(flags), flags
     degrees = dict(zip(AXES, map(str, DEGREES[script])))
     argv = reduced(flags, degrees) + ["--log-dir", str(tmp_path / "log")]
-    ranks = math.prod(DEGREES[script])
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(ranks),
-        "--master-port",
-        str(free_port()),
-    ]
+    cmd = torchrun(math.prod(DEGREES[script]))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     rc, out, err = run_in_session([*cmd, "examples/pretrain_gpt.py", *argv], env=env, cwd=ROOT, timeout=300)
     assert rc == 0, shlex.join(argv) + "\n" + out[-2000:] + err[-3000:]
