@@ -67,7 +67,7 @@ def main():
     args = _args()
     dev, use_cuda = _start()
     import ulysses_mcore
-    from ulysses_mcore.ring import ring_segments
+    from ulysses_mcore.kernels.ring import ring_segments
 
     rank, world = dist.get_rank(), dist.get_world_size()
     S, b, hq, hk, d, C = args.seq_length, args.batch, args.heads, args.kv_heads, args.head_dim, args.ring

@@ -327,7 +327,7 @@ def reference_seq_to_head(full: torch.Tensor, rank: int, plan, kind: str, layout
 
 def shard_tokens(full: torch.Tensor, rank: int, ulysses: int, layout: str = "sbhd") -> torch.Tensor:
     """Contiguous token shard ``rank`` of ``degree`` of a full-sequence tensor."""
-    from ulysses_mcore.heads import seq_dim
+    from ulysses_mcore.exchange.heads import seq_dim
 
     return full.chunk(ulysses, dim=seq_dim(layout))[rank]
 

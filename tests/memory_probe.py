@@ -86,7 +86,7 @@ def measure(argv) -> int:
 def main(out_path: str, cases_path: str) -> None:
     warnings.filterwarnings("ignore")
     from ulysses_mcore.megatron.compat import cpu_compat
-    from ulysses_mcore.transport import POOL
+    from ulysses_mcore.exchange.transport import POOL
 
     cpu_compat.apply()
     POOL.enabled = False  # all-to-all buffers allocated per call, as on a GPU (the CPU pool keeps them across steps)

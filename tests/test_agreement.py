@@ -1,11 +1,11 @@
-"""ulysses_mcore.agreement: the digests are the same in every process for the same call and differ
+"""ulysses_mcore.validation.agreement: the digests are the same in every process for the same call and differ
 for different boundaries; one all-reduce tells every rank whether all agree."""
 
 import torch
 import torch.distributed as dist
 
 from tests.helpers import count_collectives, run_threaded
-from ulysses_mcore.agreement import agree_call, boundaries_digest
+from ulysses_mcore.validation.agreement import agree_call, boundaries_digest
 
 
 def test_boundaries_digest_tells_documents_apart_without_a_host_read():

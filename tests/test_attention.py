@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import ulysses_mcore
-from ulysses_mcore import heads
+from ulysses_mcore.exchange import heads
 from tests.helpers import count_collectives, reference_attention, run_threaded
 
 FP32_RTOL = 1e-5  # max |err| / max |ref|
@@ -129,7 +129,7 @@ def test_custom_scale_and_callable_backend():
 
     def kernel(q, k, v, *, causal, softmax_scale):
         calls.append(q.shape)
-        return ulysses_mcore.backends.sdpa_attention(q, k, v, causal=causal, softmax_scale=softmax_scale)
+        return ulysses_mcore.kernels.sdpa.sdpa_attention(q, k, v, causal=causal, softmax_scale=softmax_scale)
 
     errs = run_case(4, 32, 2, 8, 2, 8, "sbhd", True, backend=kernel, scale=0.3)
     assert max(errs) < FP32_RTOL, errs
@@ -242,7 +242,7 @@ def test_uneven_heads_match_reference(case):
 
 
 def test_uneven_split_and_kv_sharing():
-    from ulysses_mcore.heads import HeadPlan
+    from ulysses_mcore.exchange.heads import HeadPlan
 
     p = HeadPlan(28, 7, 4)
     assert [p.q_range(r) for r in range(4)] == [(0, 7), (7, 14), (14, 21), (21, 28)]
@@ -257,7 +257,7 @@ def test_release_drops_the_prepared_calls_and_buffers():
     """ulysses_mcore.release(): the functional API's cache (which holds process groups) is emptied,
     and this thread's exchange buffers; the next call prepares again and is still exact."""
     from ulysses_mcore.attention import CALLS
-    from ulysses_mcore.transport import POOL
+    from ulysses_mcore.exchange.transport import POOL
 
     g = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(64, 1, 4, 32, generator=g) for _ in range(3))

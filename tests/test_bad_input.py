@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import ulysses_mcore
-from ulysses_mcore import validation
+from ulysses_mcore.validation import record as validation
 from tests.helpers import count_collectives, run_threaded_errors
 
 S, B, D = 16, 2, 8

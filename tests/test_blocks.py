@@ -1,12 +1,12 @@
-"""One block of the log-sum-exp engine (ulysses_mcore.blocks): which blocks a window or a ring
+"""One block of the log-sum-exp engine (ulysses_mcore.kernels.blocks): which blocks a window or a ring
 shard reaches, and the fused kernel's blocks against the matmul form's."""
 
 import torch
 
 from tests.test_ring import FP32_RTOL, run_hybrid
-from ulysses_mcore import blocks
-from ulysses_mcore.blocks import Block, Scoring, attention_window, tile_segments
-from ulysses_mcore.ring import ring_segments
+from ulysses_mcore.kernels import blocks
+from ulysses_mcore.kernels.blocks import Block, Scoring, attention_window, tile_segments
+from ulysses_mcore.kernels.ring import ring_segments
 
 
 def test_fused_and_matmul_blocks_agree(monkeypatch):

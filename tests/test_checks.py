@@ -1,9 +1,9 @@
-"""ulysses_mcore.checks: one rank's own checks, read by name off the call site and its data; the
+"""ulysses_mcore.validation.checks: one rank's own checks, read by name off the call site and its data; the
 first problem in table order wins, and a check never raises (its problem is returned)."""
 
 import torch
 
-from ulysses_mcore.checks import LOCAL_CHECKS, UNREAD, CallView, int_list, local_problem
+from ulysses_mcore.validation.checks import LOCAL_CHECKS, UNREAD, CallView, int_list, local_problem
 from ulysses_mcore.options import NO_TENSORS, CallSite, CallTensors, attention_options
 
 

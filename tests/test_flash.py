@@ -1,10 +1,11 @@
-"""The flash backend (ulysses_mcore.flash): which flash-attn runs a call, and what each receives
+"""The flash backend (ulysses_mcore.kernels.flash): which flash-attn runs a call, and what each receives
 (flash-attn itself stands in as a recorder: it cannot be installed without CUDA)."""
 
 import pytest
 import torch
 
-from ulysses_mcore import flash
+from ulysses_mcore import options
+from ulysses_mcore.kernels import flash
 
 
 @pytest.mark.parametrize(
@@ -20,7 +21,7 @@ from ulysses_mcore import flash
     ],
 )
 def test_flash_choice(fa2, fa3, dropout, mla, want):
-    which, why = flash.flash_choice(fa2, fa3, dropout=dropout, mla=mla)
+    which, why = options.flash_choice(fa2, fa3, dropout=dropout, mla=mla)
     assert which == want and (bool(why) == (want is None))
     if want is None:
         assert ("dropout" in why) if dropout else ("flash-attn 3" in why)

@@ -23,10 +23,10 @@ def _inputs(S=256, b=2, hq=8, hk=2, d=64, dtype=torch.bfloat16):
 
 @pytest.mark.parametrize("backend", ["sdpa", "flash", "te"])
 def test_kernel_on_gpu_matches_float64(backend):
-    from ulysses_mcore import backends, ulysses_attention
+    from ulysses_mcore import options, ulysses_attention
 
-    if backends.backend_error(backend):
-        pytest.skip(backends.backend_error(backend))
+    if options.backend_error(backend):
+        pytest.skip(options.backend_error(backend))
     q, k, v, dout = (t.cuda() for t in _inputs())
     qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
     out = ulysses_attention(qs, ks, vs, group=None, causal=True, backend=backend)
@@ -72,11 +72,11 @@ def test_nccl_world():
 @pytest.mark.parametrize("backend", ["sdpa", "flash", "te"])
 def test_packed_varlen_kernel_on_gpu_matches_float64(backend):
     """THD with global cu_seqlens on one GPU (group of one): the varlen path of each kernel."""
-    from ulysses_mcore import backends, ulysses_attention
+    from ulysses_mcore import options, ulysses_attention
     from ulysses_mcore.megatron.layer.batch import document_mask
 
-    if backends.backend_error(backend):
-        pytest.skip(backends.backend_error(backend))
+    if options.backend_error(backend):
+        pytest.skip(options.backend_error(backend))
     q, k, v, dout = (t[:, 0].cuda() for t in _inputs(S=512, b=1))
     cu = torch.tensor([0, 100, 101, 333, 512], dtype=torch.int32)
     qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
@@ -93,7 +93,7 @@ def test_packed_varlen_kernel_on_gpu_matches_float64(backend):
 def _nccl_hybrid_world(rank, world, backend):
     """Ulysses 2 x ring (world / 2) on NCCL: the LSE ring (sdpa) or TE's p2p ring (te)."""
     from ulysses_mcore import new_sequence_groups, ulysses_attention
-    from ulysses_mcore.ring import ring_segments
+    from ulysses_mcore.kernels.ring import ring_segments
 
     torch.cuda.set_device(rank)
     ug, rg = new_sequence_groups(2, world // 2)
@@ -123,10 +123,10 @@ def _nccl_hybrid_world(rank, world, backend):
 )
 @pytest.mark.parametrize("backend", ["sdpa", "te"])
 def test_nccl_hybrid_world(backend):
-    from ulysses_mcore import backends
+    from ulysses_mcore import options
 
-    if backends.backend_error(backend):
-        pytest.skip(backends.backend_error(backend))
+    if options.backend_error(backend):
+        pytest.skip(options.backend_error(backend))
     P = int(os.environ["ULYSSES_GPU_WORLD"])
     if torch.cuda.device_count() < P:
         pytest.skip(f"needs {P} GPUs")
@@ -173,7 +173,7 @@ def test_threaded_world_on_one_gpu_matches_float64_without_host_syncs(P, case):
     def shard(t, rank):
         if not packed:
             return t.chunk(P)[rank]
-        from ulysses_mcore.orders import per_document_order
+        from ulysses_mcore.exchange.orders import per_document_order
 
         order = per_document_order(cu, P, S)
         return t[order].chunk(P)[rank]
@@ -214,7 +214,7 @@ def test_threaded_world_on_one_gpu_matches_float64_without_host_syncs(P, case):
         r = r.squeeze(1) if packed else r
         got = torch.cat([res[rank][i] for rank in range(P)])
         if packed:
-            from ulysses_mcore.orders import per_document_order
+            from ulysses_mcore.exchange.orders import per_document_order
 
             got = got[torch.argsort(per_document_order(cu, P, S)).cpu()]
         assert ((got - r).abs().max() / r.abs().max()).item() < tol, (case, i)
@@ -234,10 +234,10 @@ GPU_VARIANTS = [  # backend, options: each kernel with what it supports natively
 @pytest.mark.parametrize("backend,opts", GPU_VARIANTS, ids=[f"{b}-{'-'.join(o)}" for b, o in GPU_VARIANTS])
 def test_variant_kernels_on_gpu_match_float64(backend, opts):
     """MLA, sliding windows, sinks and the lse through each GPU kernel, bf16, against float64."""
-    from ulysses_mcore import backends, ulysses_attention
+    from ulysses_mcore import options, ulysses_attention
 
-    if backends.backend_error(backend):
-        pytest.skip(backends.backend_error(backend))
+    if options.backend_error(backend):
+        pytest.skip(options.backend_error(backend))
     opts = dict(opts)
     q, k, v, _ = (t.cuda() for t in _inputs())
     if opts.pop("dv", None):

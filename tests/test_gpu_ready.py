@@ -134,7 +134,7 @@ def test_bf16_ring_runs_no_fp32_gemm_beyond_a_tile(packed):
     blocks go through the fused kernel in bf16 (no fp32 GEMM at all); documents (masks inside blocks)
     through the fp32 engine one tile at a time."""
     from ulysses_mcore.options import LSE_TILE
-    from ulysses_mcore.ring import ring_attention
+    from ulysses_mcore.kernels.ring import ring_attention
 
     S = 2 * LSE_TILE + 64
     q, k, v = _bf16((S, 1, 4, 32), (S, 1, 2, 32), (S, 1, 2, 32))

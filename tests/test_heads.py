@@ -1,9 +1,9 @@
-"""The head plan (ulysses_mcore.heads): which heads each rank computes, kv groups kept whole, and
+"""The head plan (ulysses_mcore.exchange.heads): which heads each rank computes, kv groups kept whole, and
 the reasons a head count does not fit."""
 
 import pytest
 
-from ulysses_mcore.heads import HeadPlan, head_layout_error, is_even, overlap_error
+from ulysses_mcore.exchange.heads import HeadPlan, head_layout_error, is_even, overlap_error
 
 
 def test_heads_of_a_kv_group_stay_together():

@@ -16,7 +16,8 @@ def test_core_runs_with_megatron_blocked():
         sys.modules["megatron"] = None  # any import of megatron.* now raises ImportError
         import torch, torch.distributed as dist
         import ulysses_mcore
-        from ulysses_mcore import attention, call, exchange, options, validation, ring, overlap, backends, topology
+        from ulysses_mcore import attention, call, exchange, kernels, options, validation, topology
+        from ulysses_mcore.kernels import registry, ring, sdpa, tiled
         from tests.helpers import reference_attention, run_threaded
         g = torch.Generator().manual_seed(0)
         q, k, v = (torch.randn(16, 2, 4, 8, generator=g) for _ in range(3))
@@ -63,9 +64,9 @@ def _package_imports():
 
 def test_no_import_cycles():
     """The package's modules form a DAG (imports inside functions count too): each layer imports
-    only what is below it (e.g. backends -> ring, never back; checkpoint and pretrain share errors)."""
+    only what is below it (e.g. ring -> tiled, never back; checkpoint and pretrain share errors)."""
     graph = _package_imports()
-    assert "ulysses_mcore.ring" in graph["ulysses_mcore.backends"]  # the graph sees real edges
+    assert "ulysses_mcore.kernels.tiled" in graph["ulysses_mcore.kernels.ring"]  # the graph sees real edges
     state, stack = {}, []
 
     def visit(m):
@@ -112,12 +113,73 @@ def test_megatron_rooms_import_only_rooms_below():
                 assert not up, f"{mod} imports {up} from a room above it"
 
 
-def test_the_core_imports_no_developer_tool():
-    """The attention core (the package's top-level modules) imports nothing of ``devtools`` (the fake
-    world, the benchmark harness, process lifetime, flag help); the tools may import the core."""
+CORE_ROOMS = {  # the attention core's rooms -> the rooms each may import (all may import options)
+    "exchange": (),  # head plan, routes, transport, the autograd pair, overlap, token orders
+    "kernels": ("exchange",),  # registry, SDPA, flash, TE, varlen, the tiled engine, the ring's walk
+    "validation": ("exchange",),  # checks, the compared record, agreements: beside the kernels, not above
+}
+
+
+def _core_modules(graph):
+    """The top-level modules and those of the core's rooms."""
+    return [m for m in graph if len(p := m.split(".")) == 2 or (len(p) == 3 and p[1] in CORE_ROOMS)]
+
+
+def test_core_rooms_import_only_what_they_may():
+    """The core's rooms: the exchange imports no other room; the kernels and validation import the
+    exchange and ``options`` only (validation is off the path from the call to its kernel: what a
+    kernel can take lives in ``options``); none imports the call, the public API or the topology."""
     graph = _package_imports()
-    core = [m for m in graph if m.count(".") == 1]
-    assert "ulysses_mcore.attention" in core and "ulysses_mcore.devtools.fakeworld" in graph
+    for room, may in CORE_ROOMS.items():
+        allowed = tuple(f"ulysses_mcore.{r}." for r in (room, *may)) + ("ulysses_mcore.options",)
+        mods = [m for m in graph if m.startswith(f"ulysses_mcore.{room}.")]
+        assert mods, room
+        for mod in mods:
+            bad = sorted(d for d in graph[mod] if not d.startswith(allowed))
+            assert not bad, f"{mod} imports {bad}, outside {room}'s allowance"
+
+
+def test_no_kernel_goes_through_the_ring():
+    """The ring keeps its walk and merge: only the call (its hybrid path) imports it; the SDPA kernel
+    reaches the tiled engine directly."""
+    graph = _package_imports()
+    users = sorted(m for m, deps in graph.items() if "ulysses_mcore.kernels.ring" in deps)
+    assert users == ["ulysses_mcore.call"], users
+    assert "ulysses_mcore.kernels.tiled" in graph["ulysses_mcore.kernels.sdpa"]
+
+
+FLOORS = 7  # the house's floors, each folder of the package drawn as one room
+
+
+def test_the_house_is_at_most_seven_floors_tall():
+    """Each folder of the package (a room: the exchange, kernels, validation, megatron, cli, planning,
+    devtools) and each top-level module stands one floor above the highest it imports."""
+    graph = _package_imports()
+    room = lambda m: ".".join(m.split(".")[:2])  # noqa: E731 - a name for one expression
+    rooms = {}
+    for mod, deps in graph.items():
+        rooms.setdefault(room(mod), set()).update(room(d) for d in deps if room(d) != room(mod))
+    floor = {}
+
+    def height(r):
+        if r not in floor:
+            floor[r] = 1 + max((height(d) for d in rooms.get(r, ())), default=0)
+        return floor[r]
+
+    tallest = max(rooms, key=height)
+    assert height("ulysses_mcore.validation") == height("ulysses_mcore.kernels")
+    assert floor[tallest] <= FLOORS, (
+        f"{tallest} stands on floor {floor[tallest]}: {sorted(floor.items(), key=lambda x: x[1])}"
+    )
+
+
+def test_the_core_imports_no_developer_tool():
+    """The attention core (the top-level modules and the exchange, kernels and validation rooms) imports
+    nothing of ``devtools`` (the fake world, the benchmark harness, process lifetime, flag help); the
+    tools may import the core."""
+    graph = _package_imports()
+    core = _core_modules(graph)
+    assert "ulysses_mcore.kernels.tiled" in core and "ulysses_mcore.devtools.fakeworld" in graph
     for mod in core:
         tools = sorted(d for d in graph[mod] if d.startswith("ulysses_mcore.devtools"))
         assert not tools, f"{mod} imports {tools}"
@@ -185,7 +247,8 @@ def test_no_call_passes_more_than_five_positional_values():
 
 
 def test_tests_mirror_modules():
-    """tests/test_<module>.py for every module of ulysses_mcore/, its planning/, devtools/ and megatron/ rooms, and
+    """tests/test_<module>.py for every module of ulysses_mcore/, its core rooms, planning/, devtools/ and megatron/
+    rooms, and
     tests/test_cli_<module>.py (test_cli.py for the dispatcher) for its cli/."""
     want = {
         f"test_{p.stem}.py"
@@ -193,6 +256,7 @@ def test_tests_mirror_modules():
             "ulysses_mcore",
             "ulysses_mcore/planning",
             "ulysses_mcore/devtools",
+            *(f"ulysses_mcore/{r}" for r in CORE_ROOMS),
             *(f"ulysses_mcore/megatron/{r}" for r in ROOMS),
         )
         for p in (ROOT / d).glob("*.py")
@@ -226,3 +290,11 @@ def test_every_import_inside_a_function_says_why():
                     if not any("#" in line for line in group) and not lines[i - 1].strip().startswith("#"):
                         bare.append(f"{path.relative_to(ROOT)}:{node.lineno} {lines[node.lineno - 1].strip()}")
     assert not bare, "imports inside functions without a reason:\n" + "\n".join(bare)
+
+
+def test_every_public_name_resolves():
+    """Each name ``ulysses_mcore`` exports lazily is found in the module its table names."""
+    import ulysses_mcore
+
+    for name in ulysses_mcore.__all__:
+        assert getattr(ulysses_mcore, name) is not None, name

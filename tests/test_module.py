@@ -305,7 +305,7 @@ def test_te_attention_is_a_child_built_once_per_module(monkeypatch):
     import sys
     import types
 
-    from ulysses_mcore import backends
+    from ulysses_mcore import options
 
     built = []
 
@@ -330,7 +330,7 @@ def test_te_attention_is_a_child_built_once_per_module(monkeypatch):
     te.pytorch.DotProductAttention = StandIn
     monkeypatch.setitem(sys.modules, "transformer_engine", te)
     monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", te.pytorch)
-    monkeypatch.setattr(backends, "is_installed", lambda name: True)
+    monkeypatch.setattr(options, "is_installed", lambda name: True)
     cfg = config(8, 2)
     d, S, b = cfg.kv_channels, 16, 2
     g = torch.Generator().manual_seed(5)

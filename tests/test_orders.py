@@ -1,9 +1,9 @@
-"""ulysses_mcore.orders: the token orders of a sharded sequence and the index tensors that undo them."""
+"""ulysses_mcore.exchange.orders: the token orders of a sharded sequence and the index tensors that undo them."""
 
 import pytest
 import torch
 
-from ulysses_mcore.orders import document_ids, load_balanced_permutation, per_document_order, token_orders
+from ulysses_mcore.exchange.orders import document_ids, load_balanced_permutation, per_document_order, token_orders
 
 
 def _dual_chunk_received(seq, P):

@@ -1,4 +1,4 @@
-"""ulysses_mcore.overlap: head chunks pipelined with asynchronous all-to-alls, against float64
+"""ulysses_mcore.exchange.overlap: head chunks pipelined with asynchronous all-to-alls, against float64
 full attention; 2C collectives each way; the chunk counts it refuses."""
 
 import pytest

@@ -11,8 +11,8 @@ import torch.distributed as dist
 
 import ulysses_mcore
 from ulysses_mcore.megatron.layer.batch import document_mask
-from ulysses_mcore.blocks import Scoring, blocks_of
-from ulysses_mcore.ring import ring_attention, ring_segments
+from ulysses_mcore.kernels.blocks import Scoring, blocks_of
+from ulysses_mcore.kernels.ring import ring_attention, ring_segments
 from tests.helpers import count_collectives, reference_attention, run_threaded, run_threaded_errors
 from tests.test_attention import FP32_RTOL, make_inputs, rel_err
 

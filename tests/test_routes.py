@@ -1,4 +1,4 @@
-"""The routes (ulysses_mcore.routes): a route worked out once carries uneven head plans (7 heads
+"""The routes (ulysses_mcore.exchange.routes): a route worked out once carries uneven head plans (7 heads
 over 4 ranks, kv groups straddling ranks) and its output back, exactly, in both layouts."""
 
 import pytest
@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 
 from tests.helpers import reference_seq_to_head, run_threaded, shard_tokens
-from ulysses_mcore.heads import HeadPlan
-from ulysses_mcore.routes import out_route, qkv_route
+from ulysses_mcore.exchange.heads import HeadPlan
+from ulysses_mcore.exchange.routes import out_route, qkv_route
 
 
 @pytest.mark.parametrize("hq, hk", [(7, 7), (6, 3), (8, 2)])

@@ -1,10 +1,10 @@
-"""The Transformer Engine backend (ulysses_mcore.te): the mask type TE takes, and what its
+"""The Transformer Engine backend (ulysses_mcore.kernels.te): the mask type TE takes, and what its
 DotProductAttention receives (TE stands in as a recorder: it cannot be installed without CUDA)."""
 
 import pytest
 import torch
 
-from ulysses_mcore import te
+from ulysses_mcore.kernels import te
 
 
 @pytest.mark.parametrize(

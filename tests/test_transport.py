@@ -1,4 +1,4 @@
-"""The transport (ulysses_mcore.transport): the exchange's buffer pool stays bounded over many
+"""The transport (ulysses_mcore.exchange.transport): the exchange's buffer pool stays bounded over many
 shapes, and its size classes."""
 
 import torch
@@ -14,7 +14,7 @@ def test_buffer_pool_stays_within_its_bytes_over_hundreds_of_shapes():
     import resource
 
     from ulysses_mcore import ulysses_attention
-    from ulysses_mcore.transport import POOL
+    from ulysses_mcore.exchange.transport import POOL
 
     def rss_mb():
         with open("/proc/self/statm") as f:
@@ -42,7 +42,7 @@ def test_buffer_pool_stays_within_its_bytes_over_hundreds_of_shapes():
 
 
 def test_size_classes_are_powers_of_two():
-    from ulysses_mcore.transport import size_class
+    from ulysses_mcore.exchange.transport import size_class
 
     assert all(n <= size_class(n) < 2 * n for n in range(1, 200_000, 37))
     assert {size_class(n) for n in range(70_000, 260_000)} == {1 << 17, 1 << 18}

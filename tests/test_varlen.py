@@ -1,11 +1,11 @@
-"""Packed documents for the fused kernels (ulysses_mcore.varlen), against the documents written out
+"""Packed documents for the fused kernels (ulysses_mcore.kernels.varlen), against the documents written out
 by hand: the interleaved (real, pad) boundaries, the real rows, and a varlen call over padded slots
 equal to running each real document alone."""
 
 import torch
 
 from tests.helpers import reference_attention
-from ulysses_mcore.varlen import Documents, interleaved_boundaries, padded_varlen, real_token_rows, varlen_args
+from ulysses_mcore.kernels.varlen import Documents, interleaved_boundaries, padded_varlen, real_token_rows, varlen_args
 
 
 def test_boundaries_and_rows_of_padded_documents():

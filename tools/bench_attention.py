@@ -41,7 +41,7 @@ def trivial_kernel(q, k, v, *, causal=True, softmax_scale=None):
 
 
 def sdpa_kernel(q, k, v, *, causal=True, softmax_scale=None):
-    from ulysses_mcore.backends import sdpa_attention
+    from ulysses_mcore.kernels.sdpa import sdpa_attention
 
     return sdpa_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, layout="sbhd")
 

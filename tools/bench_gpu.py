@@ -44,12 +44,12 @@ def timeit(fn, dev, reps=5):
 
 
 def bench_kernels(dev, seqs, dtype):
-    from ulysses_mcore import backends, ulysses_attention
+    from ulysses_mcore import options, ulysses_attention
 
     rows = []
     for name in ("sdpa", "flash", "te"):
-        if backends.backend_error(name) and not (dev.type == "cpu" and name == "sdpa"):
-            rows.append({"kernel": name, "skipped": backends.backend_error(name)})
+        if options.backend_error(name) and not (dev.type == "cpu" and name == "sdpa"):
+            rows.append({"kernel": name, "skipped": options.backend_error(name)})
             continue
         for S in seqs:
             q, k, v, g = (torch.randn(S, 1, h, 128, device=dev, dtype=dtype) for h in (32, 8, 8, 32))
@@ -66,7 +66,7 @@ def bench_kernels(dev, seqs, dtype):
 
 def bench_copies(dev, S, dtype):
     """The exchange's pack (q, k, v -> send buffer) and gradient unpack copies, on one device."""
-    from ulysses_mcore import heads, routes
+    from ulysses_mcore.exchange import heads, routes
 
     rows = []
     for P in (2, 4, 8):

@@ -56,7 +56,7 @@ def _worker(rank, world, port, args, queue):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from ulysses_mcore import ulysses_attention
-    from ulysses_mcore.ring import ring_segments
+    from ulysses_mcore.kernels.ring import ring_segments
 
     try:
         from ulysses_mcore import new_sequence_groups

@@ -66,7 +66,7 @@ def _qkv(seq, P, dtype, dev, grad=True):
 
 def ulysses_rows(dev, seqs, reps):
     from ulysses_mcore import ulysses_attention
-    from ulysses_mcore.backends import sdpa_attention
+    from ulysses_mcore.kernels.sdpa import sdpa_attention
 
     P, dtype = dist.get_world_size(), torch.bfloat16 if dev.type == "cuda" else torch.float32
     rows = []

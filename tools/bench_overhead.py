@@ -49,7 +49,7 @@ def _deepspeed(group):
     from deepspeed.accelerator import get_accelerator
     from deepspeed.sequence.layer import DistributedAttention
 
-    from ulysses_mcore.backends import sdpa_plain
+    from ulysses_mcore.kernels.sdpa import sdpa_plain
 
     shm = get_accelerator().create_op_builder("ShareMemCommBuilder")
     if shm is not None:

@@ -83,7 +83,7 @@ def memory_child(name, S):
     """One process: this rank's kernel work at sequence length S; prints peak RSS above baseline."""
     import torch
 
-    from ulysses_mcore.backends import sdpa_attention
+    from ulysses_mcore.kernels.sdpa import sdpa_attention
 
     torch.set_num_threads(1)
     opts = VARIANTS[name]

@@ -74,7 +74,7 @@ class PlainSdpaAttention(torch.nn.Module):
         self.softmax_scale = softmax_scale
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, **kw):
-        from ulysses_mcore.backends import sdpa_plain
+        from ulysses_mcore.kernels.sdpa import sdpa_plain
 
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -186,7 +186,7 @@ EXTRA = {  # labelled extra rows: not the baseline, shown beside it
 def _variants(dev):
     """(variant names to run, (name, why skipped) pairs): Ulysses at degree 1 and the baseline, the
     chunked loss, the labelled extra rows where they run."""
-    from ulysses_mcore import backends
+    from ulysses_mcore import options
 
     names = ["baseline-sdpa", "ulysses-sdpa", "ulysses-sdpa + chunked loss"]
     skipped = []
@@ -194,7 +194,7 @@ def _variants(dev):
         names += ["megatron-local", "baseline-cudnn"]
     else:
         skipped += [(n, "needs CUDA") for n in ("megatron-local", "baseline-cudnn")]
-    if backends.backend_error("te"):
+    if options.backend_error("te"):
         skipped += [(n, "transformer-engine is not installed") for n in ("ulysses-te", "megatron-te")]
     else:
         names += ["ulysses-te", "megatron-te"]

@@ -1,7 +1,7 @@
 """ulysses-mcore: Ulysses sequence parallelism (all-to-all attention) for Megatron-Core.
 
-Layers: the core (``attention``, ``exchange``, ``validation``, ``ring``, ``overlap``,
-``backends``, ``topology``) imports torch only; the Megatron adapter is
+Layers: the core (``attention``, ``call``, ``options``, ``topology`` and the ``exchange``,
+``kernels`` and ``validation`` rooms) imports torch only; the Megatron adapter is
 :mod:`ulysses_mcore.megatron`.  Names are imported lazily, so ``import ulysses_mcore`` and the
 functional API never import Megatron-Core; ``UlyssesAttention``, ``initialize`` and
 ``get_ulysses_layer_spec`` load the adapter when first used.
@@ -16,9 +16,9 @@ _EXPORTS = {
     "UlyssesAttention": "megatron.layer.module",
     "new_sequence_groups": "attention",
     "release": "attention",
-    "HeadPlan": "exchange",
-    "seq_to_head": "exchange",
-    "head_to_seq": "exchange",
+    "HeadPlan": "exchange.heads",
+    "seq_to_head": "exchange.pair",
+    "head_to_seq": "exchange.pair",
     "get_ulysses_group": "megatron.layer.groups",
     "Topology": "topology",
     "TopologyError": "topology",

@@ -14,13 +14,13 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from .backends import Kernel
+from .kernels.registry import Kernel
 from .call import LIVE_CACHES, CallCache
 from .options import NO_TENSORS, CallSite, CallTensors, attention_options
-from .orders import host_bounds, host_lengths, load_balanced_permutation, per_document_order  # noqa: F401 - public here too
-from .te import _TE_CACHE
+from .exchange.orders import host_bounds, host_lengths, load_balanced_permutation, per_document_order  # noqa: F401 - public here too
+from .kernels.te import _TE_CACHE
 from .topology import Topology, TopologyError
-from .transport import POOL
+from .exchange.transport import POOL
 
 CALLS = CallCache()  # the functional API's prepared calls (a UlyssesAttention module keeps its own)
 

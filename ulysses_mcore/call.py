@@ -2,7 +2,7 @@
 
 The first call of a signature (shapes, dtypes, devices, groups, the :class:`AttentionOptions`
 record, which extra tensors are given) is validated on every rank alike
-(:mod:`ulysses_mcore.validation`) and turned into a :class:`PreparedCall`: the head plan, the
+(:mod:`ulysses_mcore.validation.record`) and turned into a :class:`PreparedCall`: the head plan, the
 exchange routes (buffer shapes, split sizes), the kernel with its fixed keywords, the kv-head
 index and token-order permutations, all worked out once.  Later calls with the same signature
 pay one dict lookup on a tuple of shapes, dtypes and ids (:func:`call_key`), then run two
@@ -22,18 +22,19 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from .agreement import agree_call, digest
-from .backends import plain_sdpa_kernel, resolve
-from .checks import has_values
-from .exchange import exchange_out, exchange_qkv, kv_index, pack_lse, unpack_lse
-from .heads import HeadPlan, seq_dim
+from .validation.agreement import agree_call, digest
+from .kernels.registry import resolve
+from .kernels.sdpa import plain_sdpa_kernel
+from .validation.checks import has_values
+from .exchange.pair import exchange_out, exchange_qkv, kv_index, pack_lse, unpack_lse
+from .exchange.heads import HeadPlan, seq_dim
 from .options import NO_TENSORS, CallSite, CallTensors
-from .orders import token_orders
-from .overlap import ChunkRoutes, OverlappedUlysses
-from .ring import ring_attention
-from .routes import OutRoute, Shard, qkv_route
-from .te import te_attention
-from .validation import check_call, group_sizes
+from .exchange.orders import token_orders
+from .exchange.overlap import ChunkRoutes, OverlappedUlysses
+from .kernels.ring import ring_attention
+from .exchange.routes import OutRoute, Shard, qkv_route
+from .kernels.te import te_attention
+from .validation.record import check_call, group_sizes
 
 # how each per-call field enters a signature: "tensor" (shape, dtype, device, requires_grad),
 # "boundaries" (document boundaries: a new batch's are not a new signature: dtype and device only),
@@ -84,7 +85,7 @@ class CallCache:
 
     ``check="every_call"``: every call, cached here or not, first agrees with its group on its
     signature, its document boundaries and whether any rank meets the signature for the first time
-    (:func:`~ulysses_mcore.agreement.agree_call`: one all-reduce of five integers): when the ranks'
+    (:func:`~ulysses_mcore.validation.agreement.agree_call`: one all-reduce of five integers): when the ranks'
     calls differ -- shapes or boundaries that change from call to call, one rank's but not its
     peer's, a signature cached on one rank and new on another -- every rank validates this call and
     raises the same ``ValueError`` instead of entering an all-to-all of mismatched sizes (which gloo

@@ -13,7 +13,7 @@ checks and kernel, the check mode): the cache, the prepared call and the validat
 field name.
 
 Adding an option: a field here (and in :meth:`AttentionOptions.kernel_keywords` when the kernels
-take it), its check in :mod:`ulysses_mcore.validation`, and the kernels that implement it; the
+take it), its check in :mod:`ulysses_mcore.validation.record`, and the kernels that implement it; the
 record the ranks compare and the cache key follow from the fields (docs/design.md).
 
 The fields are typed as a valid call has them, but values are stored as given (a bad one is the
@@ -23,8 +23,12 @@ the record stays hashable.
 
 from __future__ import annotations
 
+import importlib.util
+import inspect
 from dataclasses import dataclass, fields
 from typing import Any, Callable, NamedTuple, Optional, Tuple, Union
+
+import torch
 
 LSE_TILE = 512  # tokens per tile of the log-sum-exp kernel: scores held at once are [b, h, 512, 512]
 FLASH_HEAD_DIM_STEP, FLASH_MAX_HEAD_DIM = 8, 256  # the flash kernels' head dims (torch's and flash-attn's)
@@ -47,6 +51,107 @@ def options_set(window_size=None, softmax_offset=None, return_lse=False) -> list
     """The names of the variant options in use (a window of (-1, -1) is none), in ``VARIANT_OPTIONS`` order."""
     on = (has_window(window_size), softmax_offset is not None, return_lse is not None and return_lse is not False)
     return [name for name, used in zip(VARIANT_OPTIONS, on) if used]
+
+
+BUILTIN_BACKENDS = ("sdpa", "flash", "te")
+
+
+def is_installed(name: str) -> bool:
+    if name == "sdpa":
+        return True
+    if name == "flash":
+        return (
+            importlib.util.find_spec("flash_attn") is not None
+            or importlib.util.find_spec("flash_attn_interface") is not None
+        ) and torch.cuda.is_available()
+    if name == "te":
+        return importlib.util.find_spec("transformer_engine") is not None and torch.cuda.is_available()
+    return False
+
+
+def backend_error(backend) -> Optional[str]:
+    """Why ``backend`` cannot be used here, or ``None``."""
+    if callable(backend):
+        return None
+    if backend not in BUILTIN_BACKENDS:
+        return (
+            f"backend={backend!r} is unknown: use one of {list(BUILTIN_BACKENDS)} or a callable "
+            "(q, k, v, *, causal, softmax_scale) -> out"
+        )
+    if not is_installed(backend):
+        extra = {"flash": "flash", "te": "te"}[backend]
+        pkg = {"flash": "flash-attn", "te": "transformer-engine"}[backend]
+        return (
+            f"backend={backend!r} needs {pkg} and a CUDA GPU, which this process lacks: "
+            f"pip install 'ulysses-mcore[{extra}]' on a GPU node, or use backend='sdpa'"
+        )
+    return None
+
+
+def callable_accepts(fn, name: str) -> bool:
+    """Whether a callable backend declares keyword ``name`` (or ``**kwargs``)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def callable_option_error(name: str) -> str:
+    return (
+        f"{name} is set but the callable backend does not take a {name!r} keyword: declare it "
+        f"(q, k, v, *, causal, softmax_scale, {name}, heads=None) or use backend='sdpa'"
+    )
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def flash_choice(fa2: bool, fa3: bool, *, dropout: bool, mla: bool) -> Tuple[Optional[str], str]:
+    """Which flash-attn runs a call: ``("fa3" | "fa2", "")``, or ``(None, why)``.  flash-attn 3
+    (``flash_attn_interface``, Hopper) is preferred; it has no dropout, so dropout needs flash-attn 2;
+    value heads of another size (MLA) need flash-attn 3 (flash-attn 2 takes one head dim)."""
+    if fa3 and not dropout:
+        return "fa3", ""
+    if fa2 and not mla:
+        return "fa2", ""
+    if dropout and mla:
+        return None, "attention dropout with value heads of another size (MLA): no flash-attn kernel has both"
+    if dropout:
+        return None, (
+            "attention dropout needs flash-attn 2 (flash-attn 3 has no dropout): pip install flash-attn, "
+            "set --attention-dropout 0, or use backend='sdpa' / 'te'"
+        )
+    return None, (
+        "value heads of another size than query/key heads (multi-latent attention) need flash-attn 3: "
+        "install it, or use backend='sdpa' / 'te'"
+    )
+
+
+def flash_installed() -> Tuple[bool, bool]:
+    """(flash-attn 2 importable, flash-attn 3 importable)."""
+    return _installed("flash_attn"), _installed("flash_attn_interface")
+
+
+def flash_head_dim_problem(d: int, dv: int) -> str:
+    """Why flash-attn's kernels cannot take these head dims ("" if they can)."""
+    bad = [x for x in dict.fromkeys((d, dv)) if not flash_takes_head_dim(x)]
+    if not bad:
+        return ""
+    return (
+        f"backend='flash' takes head dims that are multiples of {FLASH_HEAD_DIM_STEP} up to {FLASH_MAX_HEAD_DIM} "
+        f"(query/key {d}, value {dv}): use backend='sdpa' or 'te', or a head dim such as "
+        f"{min(FLASH_MAX_HEAD_DIM, -(-bad[0] // FLASH_HEAD_DIM_STEP) * FLASH_HEAD_DIM_STEP)}"
+    )
+
+
+def flash_problem(dropout: bool, mla: bool) -> str:
+    """Why backend='flash' cannot run a call with these options here ("" if it can)."""
+    return flash_choice(*flash_installed(), dropout=dropout, mla=mla)[1]
 
 
 @dataclass(frozen=True)

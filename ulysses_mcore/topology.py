@@ -30,7 +30,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from .heads import head_layout_error
+from .exchange.heads import head_layout_error
 
 AXES = ("tp", "ulysses", "cp", "ep", "dp", "pp")
 DEFAULT_ORDER = "tp-ulysses-cp-ep-dp-pp"

@@ -14,7 +14,7 @@ import argparse
 import json
 import sys
 
-from ..heads import HeadPlan
+from ..exchange.heads import HeadPlan
 from ..topology import Topology, TopologyError
 
 AXIS_SETS = ["tp", "ulysses", "cp", "ulysses-cp", "dp", "pp", "dp-ulysses-cp", "ep", "edp"]

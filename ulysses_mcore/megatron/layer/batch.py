@@ -18,7 +18,7 @@ import torch
 from megatron.core import parallel_state as ps
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from ulysses_mcore.orders import document_ids
+from ulysses_mcore.exchange.orders import document_ids
 
 SEQ_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from ulysses_mcore.agreement import agree, digest
+from ulysses_mcore.validation.agreement import agree, digest
 from ulysses_mcore.megatron.layer.batch import pack_batch
 from ulysses_mcore.megatron.trainer.arguments import padded_vocab
 from ulysses_mcore.planning.calibration import Calibration

@@ -12,7 +12,7 @@ import socket
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from ulysses_mcore.agreement import agree, digest
+from ulysses_mcore.validation.agreement import agree, digest
 from ulysses_mcore.megatron.layer.batch import document_boundaries, pack_batch, reset_position_ids, shard_batch
 from ulysses_mcore.megatron.trainer import data as D
 from ulysses_mcore.megatron.trainer.arguments import corpus_dir

@@ -29,7 +29,7 @@ from ulysses_mcore.megatron.layer.groups import built_topology
 from ulysses_mcore.megatron.layer.specs import get_ulysses_layer_spec
 from ulysses_mcore.megatron.trainer.errors import NonFiniteError, nonfinite_report
 from ulysses_mcore.megatron.trainer.loss import check_config, global_mean, masked_token_loss
-from ulysses_mcore.validation import is_fake_group
+from ulysses_mcore.exchange.transport import is_fake_group
 
 
 def _cp_levels():

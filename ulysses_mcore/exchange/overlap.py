@@ -9,7 +9,7 @@ later chunks arrive, and its dq/dk/dv all-to-all overlaps chunk ``c+1``'s backwa
 
 Chunk ``c`` holds, for every destination rank ``j``, query heads
 ``j*q/P + c*q/(P*C) ...`` and the kv heads they use: itself a regular Ulysses exchange of
-``P*q/(P*C)`` query heads, so it runs on :mod:`ulysses_mcore.exchange`'s own routes (pack,
+``P*q/(P*C)`` query heads, so it runs on :mod:`ulysses_mcore.exchange.pair`'s own routes (pack,
 start, received; start_grad, unpack_grad) with the chunk's ``[A, B, P, n, d]`` head views.
 Needs ``C`` to divide the query and kv heads per rank (kv replication, ``kv heads < P``,
 allows C = 1 only).  Collectives: ``2C`` forward, ``2C`` backward.  ``C = 1`` is the plain

@@ -1,48 +1,24 @@
-"""Inner attention kernels, run on the gathered sequence for this rank's heads.
-
-Every kernel takes ``q [S, b, hq, d]`` (``sbhd``) or ``[b, S, hq, d]`` (``bshd``) and
-``k, v`` with ``hk`` heads (``hq % hk == 0``: grouped-query attention is the kernel's
-job), and returns the output in the same layout.  Nothing here knows about ranks.
-
-* ``sdpa``  -- ``torch.nn.functional.scaled_dot_product_attention``: CPU and GPU, masks,
-  additive bias, dropout.
-* ``flash`` -- flash-attn 2/3 ``flash_attn_func`` (CUDA, fp16/bf16, causal or none).
-* ``te``    -- Transformer Engine ``DotProductAttention`` with its own context
-  parallelism off (CUDA).
-* any callable ``(q, k, v, *, causal, softmax_scale) -> out``; one that declares ``heads``
-  receives the global ``(first, last + 1)`` query heads it holds (to index its own per-head
-  parameters), and ``window_size`` / ``softmax_offset`` / ``return_lse`` when it declares them.
-
-Megatron's mask convention is kept: a boolean ``attention_mask`` is True where attention
-is *not* allowed, broadcastable to ``[b, hq, S, S]``.  A query row with no allowed key
-gives a zero output row (torch's convention).
-"""
+"""The ``sdpa`` kernel: ``torch.nn.functional.scaled_dot_product_attention`` on the gathered
+sequence, CPU and GPU, with Megatron's masks (True = masked), an additive bias and dropout;
+packed documents through torch's varlen flash kernel (CUDA half precision) or one call per
+document; what SDPA cannot express (a window, sinks, the log-sum-exp, on the CPU value heads of
+another size and row-broadcast masks) through the tiled log-sum-exp engine
+(:func:`ulysses_mcore.kernels.tiled.lse_attention`)."""
 
 from __future__ import annotations
 
 import functools
 import importlib.util
 import inspect
-from typing import Callable, Optional, Tuple, Union
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from .options import (
-    LSE_TILE,
-    VARIANT_OPTIONS,
-    AttentionOptions,
-    flash_takes_head_dim,
-    options_set,
-)
-from .orders import host_bounds, host_lengths
-from .flash import flash_attention
-from .ring import ring_attention
-from .te import te_attention
+from ..exchange.orders import host_bounds, host_lengths
+from ..options import LSE_TILE, AttentionOptions, flash_takes_head_dim, options_set
+from .tiled import lse_attention
 from .varlen import Documents, padded_varlen
-
-BUILTIN_BACKENDS = ("sdpa", "flash", "te")
-Kernel = Callable[..., torch.Tensor]
 
 
 def cpu_prefers_lse_kernel(q, v, attention_mask=None, attention_bias=None, dropout_p=0.0) -> bool:
@@ -98,7 +74,7 @@ def sdpa_attention(
     logits, ``[hq]`` of the heads given here), ``return_lse`` (then ``(out, lse)``) -- and, on the
     CPU, value heads of another size and masks / biases broadcast over the query rows (SDPA would
     hold ``[s, s]`` scores for them) run through the tiled log-sum-exp kernel
-    (:func:`ulysses_mcore.ring.ring_attention` without a ring): exact, memory ``O(s x tile)``,
+    (:func:`ulysses_mcore.kernels.tiled.lse_attention`): exact, memory ``O(s x tile)``,
     tiles outside the window skipped.  ``heads``: the global query heads held (unused here)."""
     if options_set(window_size, softmax_offset, return_lse) or (
         cu_seqlens is None and cpu_prefers_lse_kernel(q, v, attention_mask, attention_bias, dropout_p)
@@ -107,8 +83,8 @@ def sdpa_attention(
             raise ValueError("dropout_p > 0 does not combine with window_size / softmax_offset / return_lse")
         lse_kw = dict(attention_mask=attention_mask, attention_bias=attention_bias, cu_seqlens=cu_seqlens)
         lse_kw.update(window_size=window_size, softmax_offset=softmax_offset, return_lse=return_lse)
-        return ring_attention(
-            q, k, v, group=None, causal=causal, softmax_scale=softmax_scale, layout=layout, tile=_lse_tile(q), **lse_kw
+        return lse_attention(
+            q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout, tile=_lse_tile(q), **lse_kw
         )
     if cu_seqlens is not None:
         return _sdpa_varlen(
@@ -192,7 +168,7 @@ def plain_sdpa_kernel(opts: AttentionOptions, q, v, gqa: bool, layout: str):
 def _sdpa_varlen(q, k, v, cu_seqlens, seqlens, *, causal, softmax_scale, dropout_p, max_seqlen=None):
     """Packed documents through SDPA: on a GPU in half precision, torch's own varlen flash kernel
     (device boundaries, ``max_seqlen`` from the host: no sync); else one SDPA call per document,
-    the boundaries read on the host once per micro-batch (:data:`ulysses_mcore.orders.host_bounds`)."""
+    the boundaries read on the host once per micro-batch (:data:`ulysses_mcore.exchange.orders.host_bounds`)."""
     if not dropout_p and torch_varlen_applies(q, v):
         return _torch_varlen(
             q, k, v, cu_seqlens, seqlens, causal=causal, softmax_scale=softmax_scale, max_seqlen=max_seqlen
@@ -247,80 +223,3 @@ def _torch_varlen(q, k, v, cu_seqlens, seqlens, *, causal, softmax_scale, max_se
         else:
             kw["enable_gqa"] = True
     return padded_varlen(varlen_attn, kw, (q, k, v), Documents(cu_seqlens, seqlens, max_seqlen))
-
-
-def is_installed(name: str) -> bool:
-    if name == "sdpa":
-        return True
-    if name == "flash":
-        return (
-            importlib.util.find_spec("flash_attn") is not None
-            or importlib.util.find_spec("flash_attn_interface") is not None
-        ) and torch.cuda.is_available()
-    if name == "te":
-        return importlib.util.find_spec("transformer_engine") is not None and torch.cuda.is_available()
-    return False
-
-
-def backend_error(backend) -> Optional[str]:
-    """Why ``backend`` cannot be used here, or ``None``."""
-    if callable(backend):
-        return None
-    if backend not in BUILTIN_BACKENDS:
-        return (
-            f"backend={backend!r} is unknown: use one of {list(BUILTIN_BACKENDS)} or a callable "
-            "(q, k, v, *, causal, softmax_scale) -> out"
-        )
-    if not is_installed(backend):
-        extra = {"flash": "flash", "te": "te"}[backend]
-        pkg = {"flash": "flash-attn", "te": "transformer-engine"}[backend]
-        return (
-            f"backend={backend!r} needs {pkg} and a CUDA GPU, which this process lacks: "
-            f"pip install 'ulysses-mcore[{extra}]' on a GPU node, or use backend='sdpa'"
-        )
-    return None
-
-
-def callable_accepts(fn, name: str) -> bool:
-    """Whether a callable backend declares keyword ``name`` (or ``**kwargs``)."""
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-
-
-def callable_option_error(name: str) -> str:
-    return (
-        f"{name} is set but the callable backend does not take a {name!r} keyword: declare it "
-        f"(q, k, v, *, causal, softmax_scale, {name}, heads=None) or use backend='sdpa'"
-    )
-
-
-def resolve(backend: Union[str, Kernel]) -> Kernel:
-    """The kernel for ``backend`` (call :func:`backend_error` first for a clean message)."""
-    err = backend_error(backend)
-    if err:
-        raise ValueError(err)
-    if callable(backend):
-        user = backend
-
-        def call_user(q, k, v, *, causal, softmax_scale=None, layout="sbhd", **kw):
-            if any(kw.get(n) is not None for n in ("attention_mask", "attention_bias", "cu_seqlens")) or kw.get(
-                "dropout_p"
-            ):
-                raise ValueError(
-                    "a callable backend takes (q, k, v, *, causal, softmax_scale) only: "
-                    "masks, bias and dropout need backend='sdpa' or 'te'"
-                )
-            extra = {}
-            for name in options_set(*(kw.get(n) for n in VARIANT_OPTIONS)):
-                if not callable_accepts(user, name):
-                    raise ValueError(callable_option_error(name))
-                extra[name] = kw[name]
-            if kw.get("heads") is not None and callable_accepts(user, "heads"):
-                extra["heads"] = kw["heads"]  # the global query heads this call holds
-            return user(q, k, v, causal=causal, softmax_scale=softmax_scale, **extra)
-
-        return call_user
-    return {"sdpa": sdpa_attention, "flash": flash_attention, "te": te_attention}[backend]

@@ -5,8 +5,8 @@ A :class:`QkvRoute` (q, k, v token shards -> this rank's heads over the full seq
 steady-state call does the copies and the collective, no bookkeeping.  Q, K and V cross in one
 packed buffer: block ``j`` holds rank ``j``'s query heads followed by its kv heads, so the received
 buffer *is* the attention input (``sbhd``: source rank == token block, a view, zero copies).  The
-routes' ``start`` / ``finish`` steps are also what :mod:`ulysses_mcore.overlap` pipelines, per head
-chunk, asynchronously.  Layout logic lives in :func:`~ulysses_mcore.heads.seq_dim` and the two
+routes' ``start`` / ``finish`` steps are also what :mod:`ulysses_mcore.exchange.overlap` pipelines, per head
+chunk, asynchronously.  Layout logic lives in :func:`~ulysses_mcore.exchange.heads.seq_dim` and the two
 ``_recv_as_layout`` / ``_by_block`` helpers only.
 """
 
@@ -70,7 +70,7 @@ class QkvRoute:
     token shard (``sbhd``: ``s/P, b``; ``bshd``: ``b, s/P``).
 
     Regular plans pack with one strided copy per tensor from 5-D per-destination views
-    ``[A, B, P, n, d]`` (which is also how a head chunk of :mod:`ulysses_mcore.overlap` is
+    ``[A, B, P, n, d]`` (which is also how a head chunk of :mod:`ulysses_mcore.exchange.overlap` is
     given); other plans walk the destinations (uneven heads, kv groups straddling ranks)."""
 
     def __init__(self, plan: HeadPlan, rank: int, shard: Shard, layout: str):

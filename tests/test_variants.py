@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import ulysses_mcore
-from ulysses_mcore import backends, ring as ring_mod
+from ulysses_mcore.kernels import ring as ring_mod, sdpa
 from ulysses_mcore.megatron.layer.batch import document_mask
 from tests.helpers import count_collectives, reference_attention, run_threaded, run_threaded_errors
 from tests.test_attention import FP32_RTOL, rel_err
@@ -68,7 +68,7 @@ def run_variant(
     q, k, v, dout = (t.to(dtype) for t in (q, k, v, dout))
     sd = 1 if layout == "bshd" else 0
     if tile is not None:
-        monkeypatch.setattr(backends, "LSE_TILE", tile)
+        monkeypatch.setattr(sdpa, "LSE_TILE", tile)
 
     def rank_fn(rank, world):
         ug, rg = hybrid_groups(rank, U, C)
@@ -200,7 +200,7 @@ def test_lse_crosses_the_exchange_bit_exactly():
     g = torch.Generator().manual_seed(3)
     S, b, h, d = 32, 2, 4, 8
     q, k, v = (torch.randn(S, b, h, d, generator=g).bfloat16() for _ in range(3))
-    _, whole = backends.sdpa_attention(q, k, v, causal=True, return_lse=True)
+    _, whole = sdpa.sdpa_attention(q, k, v, causal=True, return_lse=True)
 
     def fn(rank, world):
         qs, ks, vs = (t.chunk(world)[rank] for t in (q, k, v))

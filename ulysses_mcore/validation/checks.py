@@ -1,5 +1,5 @@
 """The checks one rank runs on its own call, before the ranks compare records
-(:mod:`ulysses_mcore.validation`): each check returns the first problem of one concern, or "";
+(:mod:`ulysses_mcore.validation.record`): each check returns the first problem of one concern, or "";
 they run in the order of :data:`LOCAL_CHECKS` and the first problem wins.  A check reads the call
 by name: ``c.opts`` (the site's :class:`~ulysses_mcore.options.AttentionOptions`), ``c.t`` (the
 per-call :class:`~ulysses_mcore.options.CallTensors`), ``c.site.checked(name)`` (the caller's own
@@ -15,11 +15,19 @@ from typing import Optional, Tuple
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from .backends import BUILTIN_BACKENDS, backend_error, callable_accepts, callable_option_error
-from .flash import flash_head_dim_problem, flash_problem
-from .heads import LAYOUTS, head_layout_error, is_even, overlap_error, seq_dim
-from .options import CallSite, CallTensors, options_set
-from .orders import TOKEN_ORDERS
+from ..exchange.heads import LAYOUTS, head_layout_error, is_even, overlap_error, seq_dim
+from ..exchange.orders import TOKEN_ORDERS
+from ..options import (
+    BUILTIN_BACKENDS,
+    CallSite,
+    CallTensors,
+    backend_error,
+    callable_accepts,
+    callable_option_error,
+    flash_head_dim_problem,
+    flash_problem,
+    options_set,
+)
 
 
 def int_list(t) -> Optional[Tuple[int, ...]]:

@@ -105,3 +105,9 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, group, out_splits=None, in_
     return dist.all_to_all_single(
         out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits, group=group, async_op=async_op
     )
+
+
+def is_fake_group(group) -> bool:
+    """Whether ``group`` runs on torch's ``"fake"`` backend (``FakeStore``): collectives return
+    shapes, not peers' data."""
+    return dist.get_backend(group) == "fake"

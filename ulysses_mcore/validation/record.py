@@ -25,9 +25,10 @@ import torch
 import torch.distributed as dist
 
 from .checks import CallView, int_list, local_problem
-from .heads import seq_dim
-from .options import NO_TENSORS, AttentionOptions, CallSite, CallTensors, has_window
-from .orders import TOKEN_ORDERS
+from ..exchange.heads import seq_dim
+from ..options import NO_TENSORS, AttentionOptions, CallSite, CallTensors, has_window
+from ..exchange.orders import TOKEN_ORDERS
+from ..exchange.transport import is_fake_group
 
 
 @dataclass(frozen=True)
@@ -228,12 +229,6 @@ def exchange(rec: CallRecord, group) -> List[CallRecord]:
     out: List[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, rec, group=group)
     return out
-
-
-def is_fake_group(group) -> bool:
-    """Whether ``group`` runs on torch's ``"fake"`` backend (``FakeStore``): collectives return
-    shapes, not peers' data."""
-    return dist.get_backend(group) == "fake"
 
 
 def group_sizes(site: CallSite) -> Tuple[int, int]:

@@ -1,7 +1,7 @@
 """One block of the log-sum-exp engine: a (query segment, key segment) pair's scores, its fused
 kernel where one applies, and its gradients given the final output and log-sum-exp.
 
-:mod:`ulysses_mcore.ring` walks the blocks (over the ring, or one rank's own for the ``sdpa``
+:mod:`ulysses_mcore.kernels.ring` walks the blocks (over the ring, or one rank's own for the ``sdpa``
 backend's windows, sinks and MLA) and merges them; everything a single block needs is here:
 the window a call reaches (:func:`attention_window`), tiles of segments (:func:`tile_segments`),
 a block's mask from causality, the window, documents, a mask or a bias (:class:`Block`), torch's
@@ -16,7 +16,7 @@ from typing import Any, List, NamedTuple, Optional, Tuple
 
 import torch
 
-from .options import LSE_TILE, flash_takes_head_dim, has_window
+from ..options import LSE_TILE, flash_takes_head_dim, has_window
 
 Segments = List[Tuple[int, int]]  # (first global position, length)
 

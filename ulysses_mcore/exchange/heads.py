@@ -4,7 +4,7 @@ A :class:`HeadPlan` says, per destination rank ``j`` of a Ulysses group of ``P``
 of query heads it computes (``h/P`` each when ``P`` divides ``h``, else the first ``h % P`` ranks one
 more) and the kv heads those query heads use (query heads of one kv group are contiguous in
 Megatron's QKV layout); :func:`head_layout_error` / :func:`overlap_error` say why a head count does
-not fit.  Pure arithmetic: the exchange (:mod:`ulysses_mcore.routes`) carries the plan out.
+not fit.  Pure arithmetic: the exchange (:mod:`ulysses_mcore.exchange.routes`) carries the plan out.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def is_even(num_q_heads: int, num_kv_heads: int, ulysses: int) -> bool:
 
 
 def overlap_error(num_q_heads: int, num_kv_heads: int, ulysses: int, chunks) -> Optional[str]:
-    """Why ``chunks`` head chunks cannot be pipelined (:mod:`ulysses_mcore.overlap`), or ``None``."""
+    """Why ``chunks`` head chunks cannot be pipelined (:mod:`ulysses_mcore.exchange.overlap`), or ``None``."""
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         return f"overlap_chunks must be an integer >= 1, got {chunks!r}"
     if chunks == 1:

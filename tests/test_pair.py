@@ -1,12 +1,12 @@
-"""The exchange (ulysses_mcore.exchange): the two layout transforms on random shapes (hypothesis),
+"""The exchange (ulysses_mcore.exchange.pair): the two layout transforms on random shapes (hypothesis),
 against single-rank references (tests/helpers.py)."""
 
 import torch
 import torch.distributed as dist
 from hypothesis import given, settings, strategies as st
 
-from ulysses_mcore import exchange as comm
-from ulysses_mcore.heads import LAYOUTS, HeadPlan, is_even
+from ulysses_mcore.exchange import pair as comm
+from ulysses_mcore.exchange.heads import LAYOUTS, HeadPlan, is_even
 from tests.helpers import reference_seq_to_head, run_threaded, shard_tokens
 
 

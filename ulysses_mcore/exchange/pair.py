@@ -7,10 +7,10 @@ a band of heads.  Two collectives move ownership:
 ``SeqToHead``  q, k, v ``[s/P, b, h, d]``  ->  ``[s, b, h_r, d]``   (ONE all_to_all_single)
 ``HeadToSeq``  out      ``[s, b, h_r, d]``  ->  ``[s/P, b, h, d]``  (ONE all_to_all_single)
 
-Which heads go where is one :class:`~ulysses_mcore.heads.HeadPlan`; everything that depends only
-on the call's shape (buffer shapes, split sizes) is one :class:`~ulysses_mcore.routes.QkvRoute` /
-:class:`~ulysses_mcore.routes.OutRoute`, worked out once and kept by the prepared call
-(:mod:`ulysses_mcore.call`); the collective and its buffers are :mod:`ulysses_mcore.transport`.
+Which heads go where is one :class:`~ulysses_mcore.exchange.heads.HeadPlan`; everything that depends only
+on the call's shape (buffer shapes, split sizes) is one :class:`~ulysses_mcore.exchange.routes.QkvRoute` /
+:class:`~ulysses_mcore.exchange.routes.OutRoute`, worked out once and kept by the prepared call
+(:mod:`ulysses_mcore.call`); the collective and its buffers are :mod:`ulysses_mcore.exchange.transport`.
 This module is the autograd pair over them, and the log-sum-exp's ride on the output's exchange.
 
 Copies per direction (each touches every element once): pack 1, unpack 0 (``sbhd``) or 1

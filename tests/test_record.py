@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import ulysses_mcore
-from ulysses_mcore import validation
+from ulysses_mcore.validation import record as validation
 from tests.helpers import run_threaded, run_threaded_errors
 
 S, B, H, D = 16, 2, 4, 8

@@ -1,0 +1,61 @@
+"""Inner attention kernels, run on the gathered sequence for this rank's heads.
+
+Every kernel takes ``q [S, b, hq, d]`` (``sbhd``) or ``[b, S, hq, d]`` (``bshd``) and
+``k, v`` with ``hk`` heads (``hq % hk == 0``: grouped-query attention is the kernel's
+job), and returns the output in the same layout.  Nothing here knows about ranks.
+
+* ``sdpa``  -- ``torch.nn.functional.scaled_dot_product_attention``: CPU and GPU, masks,
+  additive bias, dropout.
+* ``flash`` -- flash-attn 2/3 ``flash_attn_func`` (CUDA, fp16/bf16, causal or none).
+* ``te``    -- Transformer Engine ``DotProductAttention`` with its own context
+  parallelism off (CUDA).
+* any callable ``(q, k, v, *, causal, softmax_scale) -> out``; one that declares ``heads``
+  receives the global ``(first, last + 1)`` query heads it holds (to index its own per-head
+  parameters), and ``window_size`` / ``softmax_offset`` / ``return_lse`` when it declares them.
+
+Megatron's mask convention is kept: a boolean ``attention_mask`` is True where attention
+is *not* allowed, broadcastable to ``[b, hq, S, S]``.  A query row with no allowed key
+gives a zero output row (torch's convention).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Union
+
+import torch
+
+from ..options import VARIANT_OPTIONS, backend_error, callable_accepts, callable_option_error, options_set
+from .flash import flash_attention
+from .sdpa import sdpa_attention
+from .te import te_attention
+
+Kernel = Callable[..., torch.Tensor]
+
+
+def resolve(backend: Union[str, Kernel]) -> Kernel:
+    """The kernel for ``backend`` (call :func:`backend_error` first for a clean message)."""
+    err = backend_error(backend)
+    if err:
+        raise ValueError(err)
+    if callable(backend):
+        user = backend
+
+        def call_user(q, k, v, *, causal, softmax_scale=None, layout="sbhd", **kw):
+            if any(kw.get(n) is not None for n in ("attention_mask", "attention_bias", "cu_seqlens")) or kw.get(
+                "dropout_p"
+            ):
+                raise ValueError(
+                    "a callable backend takes (q, k, v, *, causal, softmax_scale) only: "
+                    "masks, bias and dropout need backend='sdpa' or 'te'"
+                )
+            extra = {}
+            for name in options_set(*(kw.get(n) for n in VARIANT_OPTIONS)):
+                if not callable_accepts(user, name):
+                    raise ValueError(callable_option_error(name))
+                extra[name] = kw[name]
+            if kw.get("heads") is not None and callable_accepts(user, "heads"):
+                extra["heads"] = kw["heads"]  # the global query heads this call holds
+            return user(q, k, v, causal=causal, softmax_scale=softmax_scale, **extra)
+
+        return call_user
+    return {"sdpa": sdpa_attention, "flash": flash_attention, "te": te_attention}[backend]
