@@ -255,8 +255,11 @@ def test_uneven_split_and_kv_sharing():
 
 def test_release_drops_the_prepared_calls_and_buffers():
     """ulysses_mcore.release(): the functional API's cache (which holds process groups) is emptied,
-    and this thread's exchange buffers; the next call prepares again and is still exact."""
+    and this thread's exchange buffers and host copies of document boundaries; the next call prepares
+    again and is still exact.  A module's cache is left to its module."""
     from ulysses_mcore.attention import CALLS
+    from ulysses_mcore.call import CallCache
+    from ulysses_mcore.exchange.orders import BATCH, host_bounds
     from ulysses_mcore.exchange.transport import POOL
 
     g = torch.Generator().manual_seed(4)
@@ -268,11 +271,33 @@ def test_release_drops_the_prepared_calls_and_buffers():
 
     run_threaded(2, fn)
     POOL.take((1 << 16,), torch.float32, torch.device("cpu"))  # a buffer of this thread's pool
-    assert len(CALLS.entries) >= 1 and POOL.free_lists
+    assert host_bounds(torch.tensor([0, 3, 8])) == (0, 3, 8)
+    module_cache = CallCache()
+    module_cache.entries["held"] = object()
+    assert len(CALLS.entries) >= 1 and POOL.free_lists and BATCH.slots
     ulysses_mcore.release()
-    assert not CALLS.entries and not POOL.free_lists
+    assert not CALLS.entries and not POOL.free_lists and not BATCH.slots
+    assert module_cache.entries  # a UlyssesAttention's prepared calls go with the model
     out = torch.cat(run_threaded(2, fn))
     assert (out.double() - reference_attention(q, k, v, causal=True)).abs().max() < 1e-5
+
+
+def test_steady_state_calls_build_no_record():
+    """A cached functional call is keyed by its plain choices: its call site (and options record) is
+    built once, when its first signature is prepared, not on later calls."""
+    from ulysses_mcore import attention
+
+    q = torch.randn(8, 1, 2, 4)
+    ulysses_mcore.release()
+    built, site_of = [], attention.CALLS.site_of
+    attention.CALLS.site_of = lambda choices: built.append(choices) or site_of(choices)
+    try:
+        outs = [ulysses_mcore.ulysses_attention(q, q, q, group=None, causal=True, window_size=[3, 1]) for _ in range(3)]
+    finally:
+        attention.CALLS.site_of = site_of
+    assert len(built) == 1 and built[0][7] == (3, 1)  # the window list keyed as a tuple
+    ref = reference_attention(q, q, q, causal=True, window_size=(3, 1))
+    assert all((out.double() - ref).abs().max() < 1e-5 for out in outs)
 
 
 EXIT_WORLD = """

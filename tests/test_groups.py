@@ -1,10 +1,10 @@
-"""Tier 3: real groups in a gloo world of 4 processes, membership proven by collectives."""
+"""Real groups in a gloo world of 4 processes, membership proven by collectives (tier 3); the
+(Ulysses, ring) pair found in a Megatron collection, in a threaded world (tier 2)."""
 
 import pytest
+import torch.distributed as dist
 
-from tests.helpers import run_spawned
-
-pytestmark = pytest.mark.spawn
+from tests.helpers import run_spawned, run_threaded
 
 CONFIGS = [
     dict(ulysses=2, pp=2),
@@ -43,13 +43,9 @@ def _world(rank, world):
             dist.all_reduce(t, group=grp)
             got[axes] = (t.item(), sum(topo.group_of(axes, rank)))
         # a layer finds the same groups in Megatron's own collection, split as the config says
-        from types import SimpleNamespace
-
-        from ulysses_mcore.megatron.layer.module import sequence_groups
-
-        config = SimpleNamespace(hierarchical_context_parallel_sizes=[topo.ulysses, topo.cp] if topo.cp > 1 else None)
+        levels = [topo.ulysses, topo.cp] if topo.cp > 1 else None
         ranks = [None if g is None else dist.get_process_group_ranks(g) for g in (named["ulysses"], named["cp"])]
-        found = sequence_groups(config, groups.get_pg_collection())
+        found = groups.sequence_groups(levels, groups.get_pg_collection())
         got["layer's groups"] = ranks == [None if g is None else dist.get_process_group_ranks(g) for g in found]
         results.append(got)
         groups.destroy()
@@ -78,6 +74,7 @@ def _world(rank, world):
     return results
 
 
+@pytest.mark.spawn
 def test_real_groups_match_pure_math():
     per_rank = run_spawned(4, _world)
     for rank, results in enumerate(per_rank):
@@ -92,3 +89,24 @@ def test_real_groups_match_pure_math():
                     continue
                 reduced, predicted = val
                 assert reduced == predicted, (rank, cfg, axes, reduced, predicted)
+
+
+def test_groups_come_from_megatrons_collection_as_its_config_splits_it():
+    """Megatron's pg_collection: its context-parallel group is all Ulysses without levels in the
+    config; with ``hierarchical_context_parallel_sizes = [U, C]`` the collection's two levels (a
+    level of one rank is no group); levels the collection lacks are refused by name (no guess)."""
+    from types import SimpleNamespace
+
+    from ulysses_mcore import new_sequence_groups
+    from ulysses_mcore.megatron.layer.groups import sequence_groups
+
+    def rank_fn(rank, world):
+        ug, rg = new_sequence_groups(2, 2)
+        pg = SimpleNamespace(cp=dist.group.WORLD, hcp=[ug, rg])
+        assert sequence_groups(None, pg) == (dist.group.WORLD, None)
+        assert sequence_groups([2, 2], pg) == (ug, rg)
+        with pytest.raises(ValueError, match=r"hierarchical_context_parallel_sizes=\[2, 2\].*no levels"):
+            sequence_groups([2, 2], SimpleNamespace(cp=dist.group.WORLD))
+        return True
+
+    assert all(run_threaded(4, rank_fn))

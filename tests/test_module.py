@@ -273,29 +273,6 @@ def test_module_rejects_unknown_softmax_type():
     assert all("config.softmax_type='sigmoid' is unknown" in str(e) for e in errs), errs
 
 
-def test_groups_come_from_megatrons_collection_as_its_config_splits_it():
-    """Megatron's pg_collection: its context-parallel group is all Ulysses without levels in the
-    config; with ``hierarchical_context_parallel_sizes = [U, C]`` the collection's two levels (a
-    level of one rank is no group); levels the collection lacks are refused by name (no guess)."""
-    from types import SimpleNamespace
-
-    from ulysses_mcore import new_sequence_groups
-    from ulysses_mcore.megatron.layer.module import sequence_groups
-
-    def rank_fn(rank, world):
-        ug, rg = new_sequence_groups(2, 2)
-        flat = SimpleNamespace(hierarchical_context_parallel_sizes=None)
-        hier = SimpleNamespace(hierarchical_context_parallel_sizes=[2, 2])
-        pg = SimpleNamespace(cp=dist.group.WORLD, hcp=[ug, rg])
-        assert sequence_groups(flat, pg) == (dist.group.WORLD, None)
-        assert sequence_groups(hier, pg) == (ug, rg)
-        with pytest.raises(ValueError, match=r"hierarchical_context_parallel_sizes=\[2, 2\].*no levels"):
-            sequence_groups(hier, SimpleNamespace(cp=dist.group.WORLD))
-        return True
-
-    assert all(run_threaded(4, rank_fn))
-
-
 def test_te_attention_is_a_child_built_once_per_module(monkeypatch):
     """backend='te': each UlyssesAttention builds its Transformer Engine attention once, at
     construction, for the heads its rank holds after the exchange and with its layer number, as a

@@ -1,25 +1,24 @@
-"""ulysses_mcore.options: one hashable record per call site, built once."""
+"""ulysses_mcore.options: one hashable record per call site, and what each kernel can take."""
 
 from ulysses_mcore.options import AttentionOptions, attention_options, has_window, options_set
 
 
-def test_same_values_give_the_same_record():
+def test_same_values_give_equal_records():
     a = attention_options(True, layout="sbhd", backend="sdpa", softmax_scale=0.125)
-    assert a is attention_options(True, layout="sbhd", backend="sdpa", softmax_scale=0.125)  # a dict lookup
+    assert a == attention_options(True, layout="sbhd", backend="sdpa", softmax_scale=0.125)
     assert a == AttentionOptions(True, "sbhd", "sdpa", 0.125) and hash(a) == hash(
         AttentionOptions(True, "sbhd", "sdpa", 0.125)
     )
-    assert attention_options(False) is not attention_options(True)
+    assert attention_options(False) != attention_options(True)
     assert attention_options(True, window_size=[4, 0]).window_size == (4, 0)  # a list becomes hashable
 
 
 def test_values_reach_the_validator_as_given():
-    """causal=1 equals True and dropout_p=False equals 0.0 as dict keys: the cached record of one must
-    not stand in for the other, or the validator would never see the bad value."""
-    good = attention_options(True, dropout_p=0.0)
+    """causal=1 equals True and dropout_p=False equals 0.0 as dict keys: the record keeps each as given,
+    or the validator would never see the bad value."""
     assert attention_options(1).causal == 1 and type(attention_options(1).causal) is int
     assert attention_options(True, dropout_p=False).dropout_p is False
-    assert attention_options(True, dropout_p=0.0) is good
+    assert type(attention_options(True, dropout_p=0.0).dropout_p) is float
 
 
 def test_unhashable_values_are_kept_for_the_validator():
@@ -46,3 +45,13 @@ def test_kernel_keywords_carry_the_options_in_use_only():
     assert attention_options(True).kernel_keywords("sbhd") == dict(causal=True, softmax_scale=None, layout="sbhd")
     kw = attention_options(False, window_size=(-1, -1), dropout_p=0.1, return_lse=True).kernel_keywords("bshd")
     assert kw == dict(causal=False, softmax_scale=None, layout="bshd", dropout_p=0.1, return_lse=True)
+
+
+def test_the_per_call_table_names_every_per_call_field():
+    """PER_CALL is the one table of CallTensors' fields: each field in it, in order, and what the ranks
+    compare is also keyed (a compared field that were not in the key could change unseen)."""
+    from ulysses_mcore.options import PER_CALL, CallTensors
+
+    assert tuple(PER_CALL) == CallTensors._fields
+    assert all(f.key for f in PER_CALL.values() if f.compared)
+    assert {f.compared for f in PER_CALL.values()} <= {None, "sig", "values"}

@@ -1,8 +1,9 @@
 """Ulysses attention: validate (once) -> all-to-all -> any attention kernel -> all-to-all.
 
-:func:`ulysses_attention` is the framework-neutral functional form (torch only): it turns its
-keywords into one :class:`~ulysses_mcore.options.AttentionOptions` record (a dict lookup) and
-runs the prepared call of the signature (:mod:`ulysses_mcore.call`).  The Megatron-Core
+:func:`ulysses_attention` is the framework-neutral functional form (torch only): its keywords,
+as one tuple, key the prepared call of the signature (:mod:`ulysses_mcore.call`); the call site
+and its :class:`~ulysses_mcore.options.AttentionOptions` record are built when a signature is
+first prepared.  The Megatron-Core
 ``core_attention`` module built on it is :class:`ulysses_mcore.megatron.layer.module.UlyssesAttention`.
 """
 
@@ -14,15 +15,26 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from .kernels.registry import Kernel
+from . import call
 from .call import LIVE_CACHES, CallCache
+from .exchange.orders import load_balanced_permutation, per_document_order  # noqa: F401 - public here too
+from .kernels.registry import Kernel
 from .options import NO_TENSORS, CallSite, CallTensors, attention_options
-from .exchange.orders import host_bounds, host_lengths, load_balanced_permutation, per_document_order  # noqa: F401 - public here too
-from .kernels.te import _TE_CACHE
 from .topology import Topology, TopologyError
-from .exchange.transport import POOL
 
-CALLS = CallCache()  # the functional API's prepared calls (a UlyssesAttention module keeps its own)
+# what a functional call chooses, in the order of the tuple that keys its prepared calls
+_CHOICES = ("causal", "layout", "backend", "softmax_scale", "dropout_p", "token_order", "overlap_chunks")
+_CHOICES += ("window_size", "return_lse", "group", "ring_group", "first_head", "check")
+
+
+def _site(choices: tuple) -> CallSite:
+    """The call site of a functional call's choices (built when its first signature is prepared)."""
+    c = dict(zip(_CHOICES, choices))
+    site = {name: c.pop(name) for name in ("group", "ring_group", "first_head", "check")}
+    return CallSite(attention_options(c.pop("causal"), **c), **site)
+
+
+CALLS = CallCache(_site)  # the functional API's prepared calls (a UlyssesAttention module keeps its own)
 
 
 def ulysses_attention(
@@ -77,18 +89,10 @@ def ulysses_attention(
     Forward: two ``all_to_all_single``, backward two (a ring adds C-1 and 2C-1 shifts).  Bad input
     raises the same ``ValueError`` on every rank before any data collective.  In detail: docs/api.md.
     """
-    opts = attention_options(
-        causal,
-        layout=layout,
-        backend=backend,
-        softmax_scale=softmax_scale,
-        dropout_p=dropout_p,
-        token_order=token_order,
-        overlap_chunks=overlap_chunks,
-        window_size=window_size,
-        return_lse=return_lse,
-    )
-    site = CallSite(opts, group=group, ring_group=ring_group, first_head=first_head, check=check)
+    if type(window_size) is list:
+        window_size = tuple(window_size)
+    choices = (causal, layout, backend, softmax_scale, dropout_p, token_order, overlap_chunks, window_size)
+    choices += (return_lse, group, ring_group, first_head, check)
     tensors = NO_TENSORS
     if (
         attention_mask is not None
@@ -105,21 +109,17 @@ def ulysses_attention(
             softmax_offset=softmax_offset,
             max_seqlen=max_seqlen,
         )
-    return CALLS.run(query, key, value, site, tensors)
+    return CALLS.run(query, key, value, choices, tensors)
 
 
 def release() -> None:
     """Drop what the package holds between calls in this process, to free its memory: the
-    functional API's prepared calls (and the process groups they reference), Transformer Engine
-    modules cached for it, the exchange's CPU buffers (this thread's) and the host copies of
-    document boundaries.  ``UlyssesAttention`` modules hold their own prepared calls: they go with
-    the model.  Not needed for a clean exit: at exit the package lets go of every group it holds
-    by itself (:func:`_let_go_at_exit`)."""
-    CALLS.clear()
-    _TE_CACHE.clear()
-    POOL.clear()
-    host_bounds.clear()
-    host_lengths.clear()
+    functional API's prepared calls (with the process groups and Transformer Engine modules they
+    hold), the exchange's CPU buffers (this thread's) and the host copies of document boundaries.
+    ``UlyssesAttention`` modules hold their own prepared calls: they go with the model.  Not needed
+    for a clean exit: at exit the package lets go of every group it holds by itself
+    (:func:`_let_go_at_exit`)."""
+    call.release([CALLS])
 
 
 @atexit.register
@@ -127,9 +127,7 @@ def _let_go_at_exit() -> None:
     """At interpreter exit, while Python is still whole: every prepared call of every cache (the
     modules' too) lets go of the process groups it holds, so none is destroyed during finalization
     (where gloo aborts the process: docs/design.md, "No abort at exit")."""
-    release()
-    for cache in list(LIVE_CACHES):
-        cache.clear()
+    call.release(LIVE_CACHES)
 
 
 def new_sequence_groups(ulysses: int, cp: int = 1):

@@ -17,7 +17,6 @@ cannot be reused by another while it is cached.
 from __future__ import annotations
 
 import weakref
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -28,27 +27,17 @@ from .kernels.sdpa import plain_sdpa_kernel
 from .validation.checks import has_values
 from .exchange.pair import exchange_out, exchange_qkv, kv_index, pack_lse, unpack_lse
 from .exchange.heads import HeadPlan, seq_dim
-from .options import NO_TENSORS, CallSite, CallTensors
-from .exchange.orders import token_orders
+from .options import NO_TENSORS, PER_CALL, CallSite, CallTensors
+from .exchange.orders import BATCH, token_orders
 from .exchange.overlap import ChunkRoutes, OverlappedUlysses
 from .kernels.ring import ring_attention
 from .exchange.routes import OutRoute, Shard, qkv_route
-from .kernels.te import te_attention
+from .exchange.transport import POOL
+from .kernels.te import TEKernel
 from .validation.record import check_call, group_sizes
 
-# how each per-call field enters a signature: "tensor" (shape, dtype, device, requires_grad),
-# "boundaries" (document boundaries: a new batch's are not a new signature: dtype and device only),
-# "value" (as it is), None (not part of the signature)
-_KEY_KIND = {
-    "attention_mask": "tensor",
-    "attention_bias": "tensor",
-    "cu_seqlens": "boundaries",
-    "seqlens": "boundaries",
-    "softmax_offset": "tensor",
-    "max_seqlen": None,
-    "cu_seqlens_kv": "boundaries",
-    "qkv_format": "value",
-}
+# (index in CallTensors, how it is keyed) of each per-call field that is part of a signature
+_KEYED = tuple((CallTensors._fields.index(name), f.key) for name, f in PER_CALL.items() if f.key)
 
 
 def _tensor_key(kind: str, t):
@@ -64,19 +53,37 @@ def _tensor_key(kind: str, t):
     return (t.shape, t.dtype, t.device, t.requires_grad)
 
 
-def call_key(qkv, site: CallSite, tensors: CallTensors = NO_TENSORS):
-    """The cache key of a call: its site, then one tuple of shapes, dtypes, devices and flags
-    (``None`` when an input is not a tensor: such a call is validated every time, and fails)."""
+def call_key(qkv, choices, tensors: CallTensors = NO_TENSORS):
+    """The cache key of a call: the caller's ``choices`` (what decides its :class:`CallSite`: a tuple
+    of plain values, or the site itself), then one tuple of shapes, dtypes, devices and flags
+    (``None`` when an input is not a tensor or a choice is unhashable: such a call is validated
+    every time, and fails)."""
     try:
-        key = (site,) + tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in qkv)
-    except AttributeError:
+        key = (choices,) + tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in qkv)
+        if tensors is not NO_TENSORS:
+            key += tuple(_tensor_key(kind, tensors[i]) for i, kind in _KEYED)
+        hash(key)
+    except (AttributeError, TypeError):
         return None
-    if tensors is not NO_TENSORS:
-        key += tuple(_tensor_key(kind, t) for kind, t in zip(_KEY_KIND.values(), tensors) if kind)
     return key
 
 
-LIVE_CACHES: weakref.WeakSet[CallCache] = weakref.WeakSet()  # every cache, emptied at exit (attention.py)
+LIVE_CACHES: weakref.WeakSet[CallCache] = weakref.WeakSet()  # every cache of prepared calls (release())
+
+
+def release(caches) -> None:
+    """Empty ``caches`` (of prepared calls, with the process groups and kernel modules they hold),
+    then what every call shares: this thread's exchange buffers and the host copies of the current
+    micro-batch's document boundaries.  The package's one release (:func:`ulysses_mcore.release`
+    passes the functional API's cache, the exit hook every cache)."""
+    for cache in list(caches):
+        cache.clear()
+    POOL.clear()
+    BATCH.clear()
+
+
+def _same(site: CallSite) -> CallSite:
+    return site
 
 
 class CallCache:
@@ -91,19 +98,21 @@ class CallCache:
     raises the same ``ValueError`` instead of entering an all-to-all of mismatched sizes (which gloo
     answers by aborting the process) or a collective its peers never enter."""
 
-    def __init__(self, max_entries: int = 256, max_bytes: int = 256 << 20):
+    def __init__(self, site_of=_same, max_entries: int = 256, max_bytes: int = 256 << 20):
         LIVE_CACHES.add(self)
+        self.site_of = site_of  # a call's choices -> its CallSite, built when its first signature is prepared
         self.entries: dict = {}
         self.sizes: dict = {}
         self.max_entries, self.max_bytes = max_entries, max_bytes
         self.held = 0
 
-    def run(self, q, k, v, site: CallSite, tensors: CallTensors = NO_TENSORS):
+    def run(self, q, k, v, choices, tensors: CallTensors = NO_TENSORS):
         """Attention of this call: the prepared call of its signature, made (and validated when
-        ``site.check``) the first time."""
+        ``site.check``) the first time; ``choices`` as :func:`call_key` takes them."""
         qkv = (q, k, v)
-        key = call_key(qkv, site, tensors)
+        key = call_key(qkv, choices, tensors)
         call = self.entries.get(key) if key is not None else None
+        site = call.site if call is not None else self.site_of(choices)
         validate = site.check
         if site.check == "every_call" and site.group is not None and dist.get_world_size(site.group) > 1:
             validate = self._every_call(key, call, qkv, site, tensors)
@@ -209,7 +218,7 @@ class PreparedCall:
         q, k, v = qkv
         opts = site.options
         ulysses, ring = group_sizes(site)
-        self.group, self.ring_group, self.opts = site.group, site.ring_group, opts
+        self.site, self.group, self.ring_group, self.opts = site, site.group, site.ring_group, opts
         self.thd = opts.layout == "thd"
         self.layout = "sbhd" if self.thd else opts.layout
         if self.thd:
@@ -235,6 +244,8 @@ class PreparedCall:
         opts = self.opts
         if ring > 1:
             return ring_kernel(opts.backend, self.ring_group, opts.token_order), self.kw
+        if opts.backend == "te":  # this call's own Transformer Engine modules, released with it
+            return TEKernel(), self.kw
         if tensors is NO_TENSORS:  # nothing per call: the plain SDPA call, its keywords bound once
             fast = plain_sdpa_kernel(opts, *qv, gqa, self.layout)
             if fast is not None:
@@ -317,7 +328,7 @@ class PreparedCall:
 def ring_kernel(backend, ring_group, token_order: str):
     """The inner kernel when a ring follows the all-to-all: this rank's ring shard in, out."""
     if backend == "te":
-        return partial(te_attention, ring_group=ring_group)
+        return TEKernel(ring_group)
 
     def lse_ring(
         q,

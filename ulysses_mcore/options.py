@@ -1,20 +1,24 @@
-"""One record of the static choices of an attention call, and the constants every layer shares.
+"""The records of an attention call's choices, what each kernel can take, and the constants every
+room shares.
 
 :class:`AttentionOptions` carries what stays the same from call to call at one call site --
 causality, layout, kernel, scale, dropout, token order, overlap, window, whether the
-log-sum-exp is returned -- so ``ulysses_attention``, the validator, the prepared call and
-``UlyssesAttention`` pass one value instead of a dozen keywords.  It is built once per call
-site: :func:`attention_options` returns the same (hashable) record for the same values, so the
-functional API pays one dict lookup per call, and the record is itself part of the cache key of
-a validated call.  Per-call tensors (masks, bias, document boundaries, sinks) are data, not
-options: they travel beside it in one :class:`CallTensors`.  :class:`CallSite` holds the options
+log-sum-exp is returned -- so the validator, the prepared call and the kernels read one value
+instead of a dozen keywords.  It is built when a call site's first signature is prepared (a
+steady-state call is keyed by the caller's plain choices and builds no record).  Per-call tensors
+(masks, bias, document boundaries, sinks) are data, not options: they travel beside it in one
+:class:`CallTensors`.  :class:`CallSite` holds the options
 with the rest of what is fixed where the attention is called (groups, first head, the caller's
 checks and kernel, the check mode): the cache, the prepared call and the validator read it by
 field name.
 
+What a kernel can take -- the built-in names, whether one is installed here, flash-attn's head dims
+and dropout / MLA support, the keywords a callable declares -- is data here too, so validation reads
+it without importing a kernel (validation stands beside the kernels, not between the call and them).
+
 Adding an option: a field here (and in :meth:`AttentionOptions.kernel_keywords` when the kernels
-take it), its check in :mod:`ulysses_mcore.validation.record`, and the kernels that implement it; the
-record the ranks compare and the cache key follow from the fields (docs/design.md).
+take it), its check in :mod:`ulysses_mcore.validation.checks`, and the kernels that implement it; the
+record the ranks compare follows from the fields (docs/design.md).
 
 The fields are typed as a valid call has them, but values are stored as given (a bad one is the
 validator's to report, the same on every rank); only a ``window_size`` list becomes a tuple, so
@@ -186,30 +190,17 @@ class AttentionOptions:
         return kw
 
 
-_CACHE: dict = {}
-_CACHE_MAX = 1024
 _OPTION_NAMES = tuple(f.name for f in fields(AttentionOptions))
 
 
 def attention_options(causal, **choices) -> AttentionOptions:
-    """The :class:`AttentionOptions` of ``causal`` and the other fields by name (a dict lookup
-    when seen before).  The values' types are part of the lookup: ``causal=1`` or
-    ``dropout_p=False`` reach the validator as given, not as ``True`` / ``0.0``."""
+    """The :class:`AttentionOptions` of ``causal`` and the other fields by name, the values as given
+    (``causal=1`` or ``dropout_p=False`` reach the validator as they are, not as ``True`` / ``0.0``);
+    a ``window_size`` list becomes a tuple.  Built when a call site's first signature is prepared."""
     if isinstance(choices.get("window_size"), list):
         choices["window_size"] = tuple(choices["window_size"])
     choices["causal"] = causal
-    # the names as given (an order of its own is only another entry), the values and their types
-    key = (tuple(choices.items()), tuple(map(type, choices.values())))
-    try:
-        rec = _CACHE.get(key)
-    except TypeError:  # an unhashable value: the validator will name it
-        return _record(choices)
-    if rec is None:
-        rec = _record(choices)
-        if len(_CACHE) >= _CACHE_MAX:
-            _CACHE.clear()
-        _CACHE[key] = rec
-    return rec
+    return _record(choices)
 
 
 def _record(choices: dict) -> AttentionOptions:
@@ -234,6 +225,32 @@ class CallTensors(NamedTuple):
 
 
 NO_TENSORS = CallTensors()
+
+
+class PerCall(NamedTuple):
+    """How one per-call field is treated: its part of a prepared call's key (``"tensor"``: shape,
+    dtype, device, requires_grad; ``"boundaries"``: dtype and device only, a new batch's documents
+    are not a new signature; ``"value"``: as it is; None: not keyed), how the ranks compare it
+    (``"sig"``: presence, shape, dtype, requires_grad; ``"values"``: every value; None: not compared)
+    and what a disagreement is called."""
+
+    key: Optional[str]
+    compared: Optional[str] = None
+    called: str = ""
+
+
+PER_CALL = {  # the one table of CallTensors' fields, in their order
+    "attention_mask": PerCall("tensor", "sig", "attention_mask (presence, shape, dtype)"),
+    "attention_bias": PerCall("tensor", "sig", "attention_bias (presence, shape, dtype, requires_grad)"),
+    "cu_seqlens": PerCall(
+        "boundaries", "values", "cu_seqlens (the global document boundaries must be identical on every rank)"
+    ),
+    "seqlens": PerCall("boundaries", "values", "seqlens (real document lengths must be identical on every rank)"),
+    "softmax_offset": PerCall("tensor", "sig", "softmax_offset (presence, shape, dtype, requires_grad)"),
+    "max_seqlen": PerCall(None),  # a host bound: neither keyed nor compared
+    "cu_seqlens_kv": PerCall("boundaries"),  # Megatron's record: checked against cu_seqlens, not compared
+    "qkv_format": PerCall("value"),
+}
 
 
 @dataclass(frozen=True)

@@ -41,34 +41,43 @@ def document_ids(cu_seqlens: torch.Tensor, total: int, device=None) -> torch.Ten
     return torch.bucketize(torch.arange(total, device=device), cu[1:], right=True)
 
 
-class LastOf(threading.local):
-    """``fn`` of the last tensor it was given, kept with that tensor (and its version): every layer of
-    a micro-batch passes the same ``cu_seqlens`` tensor, so what is derived from it -- its values on
-    the host (the ``sdpa`` per-document loop on the CPU, the ring's block skipping), the document
-    lengths -- is computed once per micro-batch, not once per layer.  Per thread (ranks of a
-    threaded world share the module)."""
+class PerBatch(threading.local):
+    """What is derived from the current micro-batch's document tensors, computed once per micro-batch:
+    every layer passes the same ``cu_seqlens`` tensor, so its values on the host (the ``sdpa``
+    per-document loop on the CPU, the ring's block skipping) and the document lengths are worked out
+    by the first layer and read by the rest.  One slot per kind, holding the last tensor it was given
+    (and its version): a new micro-batch's tensor replaces it.  Per thread (ranks of a threaded world
+    share the module)."""
 
-    def __init__(self, fn: Callable[[torch.Tensor], object]):
-        self.fn = fn
-        self.clear()
+    def __init__(self):
+        self.slots: dict = {}
+
+    def derived(self, kind: str, fn: Callable[[torch.Tensor], object], t: torch.Tensor):
+        """``fn(t)``, kept as ``kind`` until another tensor (or a change to ``t``) comes."""
+        held = self.slots.get(kind)
+        if held is None or held[0] is not t or held[1] != t._version:
+            held = self.slots[kind] = (t, t._version, fn(t))
+        return held[2]
 
     def clear(self) -> None:
-        self.tensor: Optional[torch.Tensor] = None
-        self.version, self.value = -1, None
+        self.slots.clear()
 
-    def __call__(self, t: torch.Tensor):
-        if t is not self.tensor or t._version != self.version:
-            self.value = self.fn(t)
-            self.tensor, self.version = t, t._version
-        return self.value
+
+BATCH = PerBatch()
 
 
 def _host_values(t: torch.Tensor) -> Tuple[int, ...]:
     return tuple(t.tolist())  # one read per micro-batch (a sync for a GPU tensor)
 
 
-host_bounds = LastOf(_host_values)  # cu_seqlens on the host
-host_lengths = LastOf(_host_values)  # real document lengths inside padded slots, on the host
+def host_bounds(cu_seqlens: torch.Tensor) -> Tuple[int, ...]:
+    """``cu_seqlens`` on the host, read once per micro-batch."""
+    return BATCH.derived("host bounds", _host_values, cu_seqlens)
+
+
+def host_lengths(seqlens: torch.Tensor) -> Tuple[int, ...]:
+    """Real document lengths inside padded slots, on the host, read once per micro-batch."""
+    return BATCH.derived("host lengths", _host_values, seqlens)
 
 
 def per_document_order(cu_seqlens: torch.Tensor, ulysses: int, total: Optional[int] = None) -> torch.Tensor:

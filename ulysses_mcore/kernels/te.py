@@ -1,6 +1,6 @@
 """The ``te`` backend: Transformer Engine's ``DotProductAttention`` on the gathered sequence (its
-own context parallelism off, or over the ring group for the hybrid), one module per shape, kept in
-a bounded cache.  Import-guarded: Transformer Engine is imported when a module is built."""
+own context parallelism off, or over the ring group for the hybrid), one module per shape, kept by
+the prepared call that uses it.  Import-guarded: Transformer Engine is imported when a module is built."""
 
 from __future__ import annotations
 
@@ -37,10 +37,10 @@ def _te_mask(mask, causal: bool):
 class TEAttention(torch.nn.Module):
     """Transformer Engine's ``DotProductAttention`` for the heads one rank holds after the exchange,
     built once: as a child of :class:`~ulysses_mcore.megatron.layer.module.UlyssesAttention` (its layer
-    number, its own FP8 metadata, its state in the model's state dict and checkpoints), or cached
-    per shape for the functional API.  With ``ring_group``, TE's own p2p ring over it (the input is
-    this rank's dual-chunk ring shard, which TE's load-balanced context parallelism expects).  The
-    format, mask type and window of each call go to TE's forward."""
+    number, its own FP8 metadata, its state in the model's state dict and checkpoints), or held by
+    the functional API's prepared call (:class:`TEKernel`).  With ``ring_group``, TE's own p2p ring
+    over it (the input is this rank's dual-chunk ring shard, which TE's load-balanced context
+    parallelism expects).  The format, mask type and window of each call go to TE's forward."""
 
     def __init__(self, heads, kv_heads, d, dv, *, softmax_scale, dropout_p=0.0, layer_number=None, ring_group=None):
         super().__init__()
@@ -87,21 +87,27 @@ def te_call(mod, q, k, v, *, causal, layout="sbhd", **kw):
     return mod(q[:, 0], k[:, 0], v[:, 0], **call).view(q.shape[0], 1, hq, dv)
 
 
-_TE_CACHE: dict = {}  # the functional API's TE modules by (heads, dims, scale, dropout, device, ring)
-_TE_CACHE_MAX = 32
+class TEKernel:
+    """Transformer Engine for the functional API (``ulysses_attention(backend="te")``): the
+    :class:`TEAttention` modules of one prepared call -- one per head shape it meets (its heads, or
+    its head chunks under overlap) -- built on first use and released with the call.  Inside a
+    Megatron model each ``UlyssesAttention`` owns its own instead.  ``ring_group``: TE's p2p ring."""
+
+    def __init__(self, ring_group=None):
+        self.ring_group, self.modules = ring_group, {}
+
+    def __call__(self, q, k, v, *, causal, softmax_scale=None, layout="sbhd", dropout_p=0.0, **kw):
+        shape = (q.shape[2], k.shape[2], q.shape[3], v.shape[3])
+        mod = self.modules.get(shape)
+        if mod is None:
+            mod = self.modules[shape] = TEAttention(
+                *shape, softmax_scale=softmax_scale, dropout_p=dropout_p, ring_group=self.ring_group
+            ).to(q.device)
+        return mod(q, k, v, causal=causal, layout=layout, **kw)
 
 
 def te_attention(q, k, v, *, causal, softmax_scale=None, layout="sbhd", dropout_p=0.0, **kw):
-    """Transformer Engine for the functional API (``ulysses_attention(backend="te")``): one
-    :class:`TEAttention` per head shape, scale, dropout, device and ring, cached (bounded).  Inside
-    a Megatron model each ``UlyssesAttention`` owns its own instead."""
-    ring = kw.pop("ring_group", None)
-    key = (q.shape[2], k.shape[2], q.shape[3], v.shape[3], softmax_scale, dropout_p, q.device, ring)
-    mod = _TE_CACHE.get(key)
-    if mod is None:
-        if len(_TE_CACHE) >= _TE_CACHE_MAX:  # bounded: shapes seen once (evaluation, odd batches) do not pile up
-            _TE_CACHE.clear()
-        mod = _TE_CACHE[key] = TEAttention(
-            *key[:4], softmax_scale=softmax_scale, dropout_p=dropout_p, ring_group=ring
-        ).to(q.device)
-    return mod(q, k, v, causal=causal, layout=layout, **kw)
+    """Transformer Engine for one call outside a prepared call (the registry's ``"te"``): a module
+    built for it (a prepared call keeps its own: :class:`TEKernel`)."""
+    run = TEKernel(kw.pop("ring_group", None))
+    return run(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout, dropout_p=dropout_p, **kw)

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from .checks import CallView, int_list, local_problem
 from ..exchange.heads import seq_dim
-from ..options import NO_TENSORS, AttentionOptions, CallSite, CallTensors, has_window
+from ..options import NO_TENSORS, PER_CALL, AttentionOptions, CallSite, CallTensors, has_window
 from ..exchange.orders import TOKEN_ORDERS
 from ..exchange.transport import is_fake_group
 
@@ -47,15 +47,8 @@ class TensorSig:
         return TensorSig(tuple(t.shape), str(t.dtype).replace("torch.", ""), t.device.type, t.requires_grad)
 
 
-# the per-call data as the ranks compare it: (field of CallTensors, how it is recorded, what a
-# disagreement is called) -- the one list of them (the options are compared field by field)
-_DATA = (
-    ("attention_mask", "sig", "attention_mask (presence, shape, dtype)"),
-    ("attention_bias", "sig", "attention_bias (presence, shape, dtype, requires_grad)"),
-    ("cu_seqlens", "values", "cu_seqlens (the global document boundaries must be identical on every rank)"),
-    ("seqlens", "values", "seqlens (real document lengths must be identical on every rank)"),
-    ("softmax_offset", "sig", "softmax_offset (presence, shape, dtype, requires_grad)"),
-)
+# the per-call data the ranks compare: (field of CallTensors, how it is recorded, what a disagreement is called)
+_DATA = tuple((name, f.compared, f.called) for name, f in PER_CALL.items() if f.compared)
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,7 @@ def initialize(
         destroy()
     before = set(_live_groups())
     # a ring gets Megatron's two hierarchical levels (Ulysses inner, [1, cp] for a ring alone), so the
-    # layers find both groups in Megatron's own pg_collection (module.sequence_groups)
+    # layers find both groups in Megatron's own pg_collection (sequence_groups)
     hier = [ulysses, cp] if cp > 1 else None
     ps.initialize_model_parallel(
         tensor_model_parallel_size=tp,
@@ -70,7 +70,7 @@ def initialize(
         distributed_timeout_minutes=distributed_timeout_minutes,
         create_gloo_process_groups=gloo_groups,  # the optimizer asks for them; a fake world has no gloo
     )
-    ulysses_group, ring = sequence_groups_of_parallel_state(ulysses, cp)
+    ulysses_group, ring = sequence_groups(hier, mpu_collection())
 
     rank = dist.get_rank()
     _verify(topo, rank, ulysses_group, ring)
@@ -87,14 +87,45 @@ def initialize(
     return topo
 
 
-def sequence_groups_of_parallel_state(ulysses: int, cp: int):
-    """``(ulysses_group, ring_group)`` inside Megatron's initialised context-parallel axis of
-    ``ulysses x cp`` ranks: the whole CP group without a ring, else its two hierarchical levels
-    (Ulysses inner).  ``None`` for a degree of 1."""
-    if cp == 1:
-        return (ps.get_context_parallel_group() if ulysses > 1 else None), None
-    ulysses_group, ring = ps.get_hierarchical_context_parallel_groups()[:2]
-    return (ulysses_group if ulysses > 1 else None), ring
+def group_size(group) -> int:
+    """A group's size (1 for ``None``)."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _or_none(group):
+    """A group of one rank is no group (degree 1)."""
+    return None if group_size(group) == 1 else group
+
+
+def mpu_collection():
+    """Megatron's collection of parallel_state's groups (for a module built without one), or
+    ``None`` before parallel_state is initialised."""
+    if not ps.model_parallel_is_initialized():
+        return None
+    return ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp", "hcp"])
+
+
+def sequence_groups(levels, pg_collection):
+    """``(ulysses_group, ring_group)`` in Megatron's context-parallel axis as ``levels`` (a config's
+    ``hierarchical_context_parallel_sizes``) splits it: ``[ulysses, ring]`` -> the collection's two
+    hierarchical levels (``pg_collection.hcp``, Ulysses inner); without two levels the whole
+    context-parallel group is Ulysses.  ``None`` for a level of one rank.  The one place the pair is
+    derived: the layers (from the collection Megatron hands them), :func:`initialize` and the
+    getters (from parallel_state's)."""
+    if pg_collection is None:
+        return None, None
+    levels = list(levels or [])
+    if len(levels) != 2:
+        return _or_none(pg_collection.cp), None
+    hcp = list(getattr(pg_collection, "hcp", None) or [])[:2]
+    sizes = [group_size(g) for g in hcp]
+    if sizes != levels:
+        raise ValueError(
+            f"config.hierarchical_context_parallel_sizes={levels} (ulysses, ring) but Megatron's "
+            f"pg_collection.hcp has {'levels of ' + str(sizes) if sizes else 'no levels'}: initialise "
+            f"parallel_state with hierarchical_context_parallel_sizes={levels} (ulysses_mcore.initialize does)"
+        )
+    return _or_none(hcp[0]), _or_none(hcp[1])
 
 
 def remember(topology) -> None:
@@ -162,7 +193,7 @@ def _sequence_groups():
     topo = built_topology()
     if topo is None:
         return None, None
-    return sequence_groups_of_parallel_state(topo.ulysses, topo.cp)
+    return sequence_groups([topo.ulysses, topo.cp] if topo.cp > 1 else None, mpu_collection())
 
 
 def get_tensor_parallel_group():

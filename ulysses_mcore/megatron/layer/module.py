@@ -5,7 +5,8 @@ Builder keywords and forward signature are Megatron's, so it goes into a layer s
 groups are given, one way each: by the caller (``ulysses_group`` / ``ring_group``), or by
 Megatron -- the ``pg_collection`` it hands the layer (parallel_state's when it hands none): its
 context-parallel group, split into its two hierarchical levels when the config's
-``hierarchical_context_parallel_sizes`` names two (:func:`sequence_groups`).  Validation runs
+``hierarchical_context_parallel_sizes`` names two
+(:func:`ulysses_mcore.megatron.layer.groups.sequence_groups`).  Validation runs
 once per input signature (each instance has a :class:`~ulysses_mcore.call.CallCache` that
 prepares each signature once); in steady state a forward is two all-to-alls and nothing else.
 """
@@ -19,7 +20,6 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
@@ -30,48 +30,11 @@ from ulysses_mcore.options import backend_error
 from ulysses_mcore.kernels.te import TEAttention
 from ulysses_mcore.call import CallCache
 from ulysses_mcore.exchange.heads import HeadPlan, head_layout_error
+from ulysses_mcore.megatron.layer.groups import group_size, mpu_collection, sequence_groups
 from ulysses_mcore.megatron.layer.rotary import RotaryKernel
 from ulysses_mcore.options import NO_TENSORS, CallSite, CallTensors, attention_options
-from ulysses_mcore.exchange.orders import LastOf
+from ulysses_mcore.exchange.orders import BATCH
 from ulysses_mcore.planning.placement import powers_of_two
-
-
-def _size(group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def _or_none(group):
-    """A group of one rank is no group (degree 1)."""
-    return None if _size(group) == 1 else group
-
-
-def _mpu_collection():
-    """Megatron's collection of parallel_state's groups (for a module built without one), or
-    ``None`` before parallel_state is initialised."""
-    if not parallel_state.model_parallel_is_initialized():
-        return None
-    return ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp", "hcp"])
-
-
-def sequence_groups(config, pg_collection):
-    """``(ulysses_group, ring_group)`` in Megatron's context-parallel axis as its config splits it:
-    ``config.hierarchical_context_parallel_sizes = [ulysses, ring]`` -> the collection's two
-    hierarchical levels (``pg_collection.hcp``, Ulysses inner); without two levels the whole
-    context-parallel group is Ulysses.  ``None`` for a level of one rank."""
-    if pg_collection is None:
-        return None, None
-    levels = list(getattr(config, "hierarchical_context_parallel_sizes", None) or [])
-    if len(levels) != 2:
-        return _or_none(pg_collection.cp), None
-    hcp = list(getattr(pg_collection, "hcp", None) or [])[:2]
-    sizes = [_size(g) for g in hcp]
-    if sizes != levels:
-        raise ValueError(
-            f"config.hierarchical_context_parallel_sizes={levels} (ulysses, ring) but Megatron's "
-            f"pg_collection.hcp has {'levels of ' + str(sizes) if sizes else 'no levels'}: initialise "
-            f"parallel_state with hierarchical_context_parallel_sizes={levels} (ulysses_mcore.initialize does)"
-        )
-    return _or_none(hcp[0]), _or_none(hcp[1])
 
 
 def _given_groups(config, pg_collection, ulysses_group, ring_group):
@@ -79,7 +42,8 @@ def _given_groups(config, pg_collection, ulysses_group, ring_group):
     else parallel_state's."""
     if ulysses_group is not None or ring_group is not None:
         return ulysses_group, ring_group
-    return sequence_groups(config, pg_collection or _mpu_collection())
+    levels = getattr(config, "hierarchical_context_parallel_sizes", None)
+    return sequence_groups(levels, pg_collection or mpu_collection())
 
 
 def _host_int(value) -> Optional[int]:
@@ -91,9 +55,8 @@ def _host_int(value) -> Optional[int]:
     return None
 
 
-# document lengths of cu_seqlens_q, one tensor per micro-batch shared by every layer (so a kernel
-# that reads them on the host reads them once per micro-batch)
-_lengths = LastOf(lambda cu: cu[1:] - cu[:-1])
+def _document_lengths(cu: torch.Tensor) -> torch.Tensor:
+    return cu[1:] - cu[:-1]
 
 
 def _tp_size_and_rank(tp_group):
@@ -111,9 +74,9 @@ class UlyssesAttention(MegatronModule):
 
     Builder keywords are Megatron's (``config, layer_number, attn_mask_type,
     attention_type, attention_dropout, softmax_scale, cp_comm_type, pg_collection``, and MLA's
-    ``k_channels, v_channels``) plus
-    ``ulysses_group`` / ``ring_group`` (default: Megatron's, from ``pg_collection``: :func:`sequence_groups`)
-    and ``backend`` (``"sdpa"``, ``"flash"``, ``"te"`` or a callable).
+    ``k_channels, v_channels``) plus ``ulysses_group`` / ``ring_group`` (default: Megatron's, from
+    ``pg_collection``: :func:`~ulysses_mcore.megatron.layer.groups.sequence_groups`) and ``backend``
+    (``"sdpa"``, ``"flash"``, ``"te"`` or a callable).
 
     Forward takes Megatron's ``query [s/P, b, hq, d]``, ``key``/``value [s/P, b, hk, d]``
     for the local token shard and returns ``[s/P, b, hq*d]``.  ``attn_mask_type`` causal
@@ -168,10 +131,9 @@ class UlyssesAttention(MegatronModule):
         tp, self.tp_rank = _tp_size_and_rank(tp_group)
         self.tp_group = tp_group
         self.group, self.ring_group = _given_groups(config, pg_collection, ulysses_group, ring_group)
-        self.ulysses, self.ring = _size(self.group), _size(self.ring_group)
+        self.ulysses, self.ring = group_size(self.group), group_size(self.ring_group)
         self.dynamic = dynamic  # --dynamic-ulysses: each micro-batch brings its group (PackedSeqParams.cp_group)
-        self.calls = CallCache()  # this module's prepared (validated) call signatures
-        self._sites: dict = {}  # its call sites (CallSite) by (causal, layout, token order, group, dropout)
+        self.calls = CallCache(self._site)  # prepared calls by (causal, layout, token order, group, dropout)
         self._check_context_parallel(cp_size)
         self._heads(config, tp, dynamic.max_ulysses if dynamic else 1)
         # MLA passes k_channels (query/key head dim, for the default scale) and v_channels (value head
@@ -284,7 +246,8 @@ class UlyssesAttention(MegatronModule):
         group = self.group
         if self.dynamic is not None:  # the slot's group, handed over by the trainer with the micro-batch
             group = getattr(packed_seq_params, "cp_group", None)
-        site = self._site(causal, "thd" if cu is not None else "sbhd", order, group)
+        dropout = self.dropout_p if self.training else 0.0
+        choices = (causal, "thd" if cu is not None else "sbhd", order, group, dropout)
         tensors = NO_TENSORS
         if mask is not None or attention_bias is not None or cu is not None or self.softmax_offset is not None:
             tensors = CallTensors(
@@ -297,38 +260,34 @@ class UlyssesAttention(MegatronModule):
             )
         if packed_seq_params is not None:  # the module's own checks of Megatron's packed-sequence record
             tensors = tensors._replace(cu_seqlens_kv=cu_kv, qkv_format=getattr(packed_seq_params, "qkv_format", None))
-        out = self.calls.run(query, key, value, site, tensors)
+        out = self.calls.run(query, key, value, choices, tensors)
         if cu is not None:
             return out.reshape(out.shape[0], -1)  # [t, h*d]; Megatron adds the batch dim back
         return out.reshape(out.shape[0], out.shape[1], -1)
 
-    def _site(self, causal: bool, layout: str, order: str, group) -> CallSite:
-        """This module's call site for these choices (one record each, made once)."""
-        dropout = self.dropout_p if self.training else 0.0
-        key = (causal, layout, order, group, dropout)
-        site = self._sites.get(key)
-        if site is None:
-            opts = attention_options(
-                causal,
-                layout=layout,
-                backend=self.backend,
-                softmax_scale=self.softmax_scale,
-                dropout_p=dropout,
-                token_order=order,
-                window_size=self.window_size,
-            )
-            kernel = self.rotary or self.te_attention
-            site = CallSite(
-                opts,
-                group=group,
-                ring_group=self.ring_group,
-                first_head=self.tp_rank * self.num_q_heads,
-                checks=self.checks,
-                kernel=kernel,
-                check=self.check,
-            )
-            self._sites[key] = site
-        return site
+    def _site(self, choices) -> CallSite:
+        """This module's call site for ``(causal, layout, token order, group, dropout)``: built when
+        its first signature is prepared, then held by the prepared call."""
+        causal, layout, order, group, dropout = choices
+        opts = attention_options(
+            causal,
+            layout=layout,
+            backend=self.backend,
+            softmax_scale=self.softmax_scale,
+            dropout_p=dropout,
+            token_order=order,
+            window_size=self.window_size,
+        )
+        kernel = self.rotary or self.te_attention
+        return CallSite(
+            opts,
+            group=group,
+            ring_group=self.ring_group,
+            first_head=self.tp_rank * self.num_q_heads,
+            checks=self.checks,
+            kernel=kernel,
+            check=self.check,
+        )
 
     def _initial_sinks(self, config, heads: int) -> torch.Tensor:
         """The learnable sinks' first values: all ``heads`` drawn from a generator keyed by the layer
@@ -377,4 +336,4 @@ class UlyssesAttention(MegatronModule):
         if not per_document:
             return real, None, getattr(psp, "cu_seqlens_kv", None), order
         # tokens sit at their padded offsets; real lengths say where each document's pad starts
-        return padded, None if real is None else _lengths(real), None, order
+        return padded, None if real is None else BATCH.derived("document lengths", _document_lengths, real), None, order

@@ -33,7 +33,9 @@ from ulysses_mcore.exchange.transport import is_fake_group
 
 
 def _cp_levels():
-    """``[ulysses, ring]`` of the layout :func:`ulysses_mcore.initialize` built, when it has a ring."""
+    """``[ulysses, ring]`` of the layout :func:`ulysses_mcore.initialize` built, when it has a ring
+    (not parallel_state's hierarchical groups: Megatron's teardown leaves them in place, so after a
+    re-initialisation without a ring they would be stale)."""
     topo = built_topology()
     return [topo.ulysses, topo.cp] if topo is not None and topo.cp > 1 else None
 
