@@ -1,6 +1,8 @@
 """The trainer's command line (ulysses_mcore.megatron.trainer.parser): Megatron-LM's names and
 defaults (one of each degree, its --seq-length as the position limit), the help text's example kept
-on its own lines."""
+on its own lines; the run's configuration as one frozen, typed record."""
+
+import pytest
 
 from ulysses_mcore.megatron.trainer.parser import build_parser
 
@@ -78,3 +80,22 @@ def test_flags_megatron_lm_also_has_mean_the_same_there():
     assert not differ, differ
     alone = set(ours) - set(theirs)
     assert alone == OURS_ALONE, f"not Megatron-LM's: name them as Megatron-LM does, or list them: {sorted(alone)}"
+
+
+def test_the_run_configuration_is_one_frozen_typed_record():
+    """trainer_config: every flag a field under its Megatron-LM name with the parsed value, typed as the
+    parser reads it (an int flag int, a switch bool, an optional one Optional), and frozen."""
+    import dataclasses
+    from typing import Optional
+
+    from ulysses_mcore.megatron.trainer.parser import build_parser, trainer_config
+
+    args = build_parser().parse_args(["--seq-length", "96", "--ulysses-degree", "2", "--bf16"])
+    cfg = trainer_config(args)
+    assert vars(cfg) == vars(args)
+    types = {f.name: f.type for f in dataclasses.fields(cfg)}
+    assert types["seq_length"] in (int, Optional[int]) and types["ulysses_degree"] is int
+    assert types["bf16"] is bool and types["load"] == Optional[str]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.seq_length = 128
+    assert type(trainer_config(args)) is type(cfg)  # one record class for the same flags

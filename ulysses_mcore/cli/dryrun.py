@@ -74,8 +74,10 @@ def main(argv=None) -> int:
     # Megatron and the dry run's model code only once fake CUDA is known to work here
     from ulysses_mcore.megatron.trainer import dryrun
     from ulysses_mcore.megatron.trainer.arguments import padded_vocab
+    from ulysses_mcore.megatron.trainer.parser import trainer_config
 
     args.vocab_size = padded_vocab(args)
+    args = trainer_config(args)  # one frozen record from here on
     try:
         reports = dryrun.run(args, args.world_size, args.preset)
     except ValueError as e:

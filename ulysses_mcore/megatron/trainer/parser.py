@@ -1,4 +1,5 @@
-"""The trainer's command line: Megatron-LM's flag names and defaults, a help line for each.
+"""The trainer's command line: Megatron-LM's flag names and defaults, a help line for each, and the
+run's configuration as one frozen, typed record of them (:func:`trainer_config`).
 
 The checks of the values (:func:`~ulysses_mcore.megatron.trainer.arguments.validate`) are
 :mod:`~ulysses_mcore.megatron.trainer.arguments`'.
@@ -7,6 +8,9 @@ The checks of the values (:func:`~ulysses_mcore.megatron.trainer.arguments.valid
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
+from typing import Any, Optional
 
 from ulysses_mcore.devtools.flags import explain
 
@@ -313,3 +317,27 @@ FLAG_HELP = {  # the help line of each flag that does not carry its own (Megatro
     "--eval-iters": "validation micro-batch rounds per evaluation (default: %(default)s)",
     "--log-interval": "print an iteration line every this many steps (default: %(default)s)",
 }
+
+
+def trainer_config(args: argparse.Namespace):
+    """The run's flags as one frozen record, built once (after the checks) and passed down: a field per
+    flag under Megatron-LM's name (``args.seq_length``, as before), typed as the parser reads it, and
+    no module can change a flag behind the others' backs (assigning one raises)."""
+    return _record_class(tuple(vars(args)))(**vars(args))
+
+
+@functools.cache
+def _record_class(names):
+    """``TrainerConfig``: a frozen dataclass of ``names`` (the parser's destinations, and the extras
+    of a command that adds flags), each typed by its parser action."""
+    types = {a.dest: _type_of(a) for a in build_parser()._actions}
+    return dataclasses.make_dataclass("TrainerConfig", [(n, types.get(n, Any)) for n in names], frozen=True)
+
+
+def _type_of(action: argparse.Action):
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        return bool
+    kind = action.type if isinstance(action.type, type) else (str if action.type is None else Any)
+    if action.nargs not in (None, "?"):
+        kind = list
+    return kind if action.default is not None else Optional[kind]

@@ -31,7 +31,7 @@ from ulysses_mcore.devtools import lifetime
 from ulysses_mcore.megatron.compat import cpu_compat
 from ulysses_mcore.megatron.trainer.arguments import check_output_dirs, validate
 from ulysses_mcore.megatron.trainer.errors import is_collective_failure
-from ulysses_mcore.megatron.trainer.parser import build_parser
+from ulysses_mcore.megatron.trainer.parser import build_parser, trainer_config
 
 
 # ------------------------------------------------------------------------ main
@@ -42,6 +42,7 @@ def main(argv=None):
     try:
         topo = validate(args, world_size)
         check_output_dirs(args, int(os.environ.get("RANK", "0")))
+        args = trainer_config(args)  # one frozen record from here on
     except ValueError as e:  # every rank runs the same checks: every rank exits here, no collective yet
         print(f"error: {e}", file=sys.stderr)
         return 2
