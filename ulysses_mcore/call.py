@@ -21,19 +21,19 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from .validation.agreement import agree_call, digest
-from .kernels.registry import resolve
-from .kernels.sdpa import plain_sdpa_kernel
-from .validation.checks import has_values
-from .exchange.pair import exchange_out, exchange_qkv, kv_index, pack_lse, unpack_lse
 from .exchange.heads import HeadPlan, seq_dim
-from .options import NO_TENSORS, PER_CALL, CallSite, CallTensors
 from .exchange.orders import BATCH, token_orders
 from .exchange.overlap import ChunkRoutes, OverlappedUlysses
-from .kernels.ring import ring_attention
+from .exchange.pair import exchange_out, exchange_qkv, kv_index, pack_lse, unpack_lse
 from .exchange.routes import OutRoute, Shard, qkv_route
 from .exchange.transport import POOL
+from .kernels.registry import resolve
+from .kernels.ring import ring_attention
+from .kernels.sdpa import plain_sdpa_kernel
 from .kernels.te import TEKernel
+from .options import NO_TENSORS, PER_CALL, CallSite, CallTensors
+from .validation.agreement import agree_call, digest
+from .validation.checks import has_values
 from .validation.record import check_call, group_sizes
 
 # (index in CallTensors, how it is keyed) of each per-call field that is part of a signature

@@ -8,8 +8,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ..options import has_window
 from ..exchange.orders import document_ids, host_bounds
+from ..options import has_window
 
 
 def kernel_window(kw, none=(-1, -1)):

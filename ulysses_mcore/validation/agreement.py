@@ -11,8 +11,8 @@ from dataclasses import fields
 import torch
 import torch.distributed as dist
 
-from ..options import AttentionOptions, CallSite
 from ..exchange.transport import is_fake_group
+from ..options import AttentionOptions, CallSite
 
 
 def _stable(x):

@@ -24,11 +24,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .checks import CallView, int_list, local_problem
 from ..exchange.heads import seq_dim
-from ..options import NO_TENSORS, PER_CALL, AttentionOptions, CallSite, CallTensors, has_window
 from ..exchange.orders import TOKEN_ORDERS
 from ..exchange.transport import is_fake_group
+from ..options import NO_TENSORS, PER_CALL, AttentionOptions, CallSite, CallTensors, has_window
+from .checks import CallView, int_list, local_problem
 
 
 @dataclass(frozen=True)

@@ -25,15 +25,14 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import is_layer_window_attention, make_sharded_tensors_for_checkpoint
 
-from ulysses_mcore.kernels.registry import Kernel, resolve
-from ulysses_mcore.options import backend_error
-from ulysses_mcore.kernels.te import TEAttention
 from ulysses_mcore.call import CallCache
 from ulysses_mcore.exchange.heads import HeadPlan, head_layout_error
+from ulysses_mcore.exchange.orders import BATCH
+from ulysses_mcore.kernels.registry import Kernel, resolve
+from ulysses_mcore.kernels.te import TEAttention
 from ulysses_mcore.megatron.layer.groups import group_size, mpu_collection, sequence_groups
 from ulysses_mcore.megatron.layer.rotary import RotaryKernel
-from ulysses_mcore.options import NO_TENSORS, CallSite, CallTensors, attention_options
-from ulysses_mcore.exchange.orders import BATCH
+from ulysses_mcore.options import NO_TENSORS, CallSite, CallTensors, attention_options, backend_error
 from ulysses_mcore.planning.placement import powers_of_two
 
 
