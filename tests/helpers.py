@@ -400,3 +400,40 @@ def run_ranks(n, args, cwd, *, script, timeout=120):
             ) from None
         out.append((p.returncode, o, e))
     return out
+
+
+def te_stand_in(monkeypatch) -> list:
+    """Transformer Engine needs CUDA: a stand-in ``transformer_engine.pytorch.DotProductAttention`` with
+    TE's constructor and forward keywords (causal ``sbhd`` calls: SDPA, grouped heads expanded) and a
+    buffer standing for TE's per-layer FP8 state; ``backend="te"`` reads as installed.  Returns the
+    list each construction's keywords are appended to (an instance's ``calls``: its forwards')."""
+    import sys
+    import types
+
+    from ulysses_mcore import options
+
+    built = []
+
+    class StandIn(torch.nn.Module):
+        def __init__(self, **kw):
+            super().__init__()
+            built.append(kw)
+            self.register_buffer("fp8_meta", torch.zeros(2))  # stands for TE's per-layer FP8 state
+            self.calls = []
+
+        def forward(self, q, k, v, **kw):
+            self.calls.append(kw)
+            assert kw["qkv_format"] == "sbhd" and kw["attn_mask_type"] == "causal"
+            g = q.shape[2] // k.shape[2]
+            out = torch.nn.functional.scaled_dot_product_attention(
+                *(t.repeat_interleave(n, 2).permute(1, 2, 0, 3) for t, n in ((q, 1), (k, g), (v, g))), is_causal=True
+            )
+            return out.permute(2, 0, 1, 3).reshape(q.shape[0], q.shape[1], -1)
+
+    te = types.ModuleType("transformer_engine")
+    te.pytorch = types.ModuleType("transformer_engine.pytorch")
+    te.pytorch.DotProductAttention = StandIn
+    monkeypatch.setitem(sys.modules, "transformer_engine", te)
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", te.pytorch)
+    monkeypatch.setattr(options, "is_installed", lambda name: True)
+    return built

@@ -7,7 +7,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ulysses_mcore import UlyssesAttention
-from tests.helpers import reference_attention, run_threaded, run_threaded_errors
+from tests.helpers import reference_attention, run_threaded, run_threaded_errors, te_stand_in
 
 
 def config(heads=8, groups=2, hidden=64, dropout=0.0, **kw):
@@ -279,35 +279,7 @@ def test_te_attention_is_a_child_built_once_per_module(monkeypatch):
     child module whose state is in the module's state dict.  TE needs CUDA, so a stand-in with
     TE's constructor and forward keywords computes the attention (SDPA) here; the outputs must
     still equal float64 attention of the whole sequence (the wiring of heads and format)."""
-    import sys
-    import types
-
-    from ulysses_mcore import options
-
-    built = []
-
-    class StandIn(torch.nn.Module):
-        def __init__(self, **kw):
-            super().__init__()
-            built.append(kw)
-            self.register_buffer("fp8_meta", torch.zeros(2))  # stands for TE's per-layer FP8 state
-            self.calls = []
-
-        def forward(self, q, k, v, **kw):
-            self.calls.append(kw)
-            assert kw["qkv_format"] == "sbhd" and kw["attn_mask_type"] == "causal"
-            g = q.shape[2] // k.shape[2]
-            out = torch.nn.functional.scaled_dot_product_attention(
-                *(t.repeat_interleave(n, 2).permute(1, 2, 0, 3) for t, n in ((q, 1), (k, g), (v, g))), is_causal=True
-            )
-            return out.permute(2, 0, 1, 3).reshape(q.shape[0], q.shape[1], -1)
-
-    te = types.ModuleType("transformer_engine")
-    te.pytorch = types.ModuleType("transformer_engine.pytorch")
-    te.pytorch.DotProductAttention = StandIn
-    monkeypatch.setitem(sys.modules, "transformer_engine", te)
-    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", te.pytorch)
-    monkeypatch.setattr(options, "is_installed", lambda name: True)
+    built = te_stand_in(monkeypatch)
     cfg = config(8, 2)
     d, S, b = cfg.kv_channels, 16, 2
     g = torch.Generator().manual_seed(5)

@@ -49,3 +49,39 @@ def test_te_call_arguments():
     assert kw["qkv_format"] == "thd" and kw["attn_mask_type"] == "padding_causal"
     assert kw["cu_seqlens_q"].tolist() == [0, 5, 16, 19] and kw["cu_seqlens_q_padded"].tolist() == [0, 8, 20, 24]
     assert kw["max_seqlen_q"] == kw["max_seqlen_kv"] == 12 and kw["cu_seqlens_q"].dtype == torch.int32
+
+
+def test_the_functional_api_keeps_its_te_modules_in_the_prepared_call(monkeypatch):
+    """ulysses_attention(backend="te"): the prepared call of a signature holds its Transformer Engine
+    module, built on its first call for the heads the rank holds (a stand-in with TE's keywords:
+    TE needs CUDA) and reused after; another signature gets its own; release() lets both go.
+    The outputs equal float64 attention of the whole sequence."""
+    import torch.distributed as dist
+
+    import ulysses_mcore
+    from ulysses_mcore.attention import CALLS
+    from tests.helpers import reference_attention, run_threaded, te_stand_in
+
+    built = te_stand_in(monkeypatch)
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(16, 2, h, 8, generator=g) for h in (4, 2, 2))
+    ulysses_mcore.release()
+
+    def fn(rank, world):
+        shard = [t.chunk(world)[rank] for t in (q, k, v)]
+        outs = [ulysses_mcore.ulysses_attention(*shard, group=dist.group.WORLD, causal=True, backend="te")]
+        outs.append(ulysses_mcore.ulysses_attention(*shard, group=dist.group.WORLD, causal=True, backend="te"))
+        half = [t[:, :1] for t in shard]  # another signature: its own prepared call and module
+        ulysses_mcore.ulysses_attention(*half, group=dist.group.WORLD, causal=True, backend="te")
+        return outs
+
+    res = run_threaded(2, fn)
+    assert len(built) == 4 and {(kw["num_attention_heads"], kw["num_gqa_groups"]) for kw in built} == {(2, 1)}
+    held = [m for c in CALLS.entries.values() for m in c.kernel.modules.values()]
+    assert len(held) == 4 and sum(len(m.inner.calls) for m in held) == 6
+    ref = reference_attention(q.double(), k.double(), v.double(), causal=True)
+    for i in range(2):
+        out = torch.cat([r[i] for r in res])
+        assert (out.double() - ref).abs().max() < 1e-5
+    ulysses_mcore.release()
+    assert not CALLS.entries

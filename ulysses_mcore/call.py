@@ -244,8 +244,6 @@ class PreparedCall:
         opts = self.opts
         if ring > 1:
             return ring_kernel(opts.backend, self.ring_group, opts.token_order), self.kw
-        if opts.backend == "te":  # this call's own Transformer Engine modules, released with it
-            return TEKernel(), self.kw
         if tensors is NO_TENSORS:  # nothing per call: the plain SDPA call, its keywords bound once
             fast = plain_sdpa_kernel(opts, *qv, gqa, self.layout)
             if fast is not None:

@@ -27,13 +27,14 @@ import torch
 from ..options import VARIANT_OPTIONS, backend_error, callable_accepts, callable_option_error, options_set
 from .flash import flash_attention
 from .sdpa import sdpa_attention
-from .te import te_attention
+from .te import TEKernel
 
 Kernel = Callable[..., torch.Tensor]
 
 
 def resolve(backend: Union[str, Kernel]) -> Kernel:
-    """The kernel for ``backend`` (call :func:`backend_error` first for a clean message)."""
+    """The kernel for ``backend`` (call :func:`backend_error` first for a clean message); for ``"te"``
+    a new :class:`~ulysses_mcore.kernels.te.TEKernel`, holding the modules it builds for the caller."""
     err = backend_error(backend)
     if err:
         raise ValueError(err)
@@ -58,4 +59,6 @@ def resolve(backend: Union[str, Kernel]) -> Kernel:
             return user(q, k, v, causal=causal, softmax_scale=softmax_scale, **extra)
 
         return call_user
-    return {"sdpa": sdpa_attention, "flash": flash_attention, "te": te_attention}[backend]
+    if backend == "te":
+        return TEKernel()
+    return {"sdpa": sdpa_attention, "flash": flash_attention}[backend]

@@ -88,9 +88,10 @@ def te_call(mod, q, k, v, *, causal, layout="sbhd", **kw):
 
 
 class TEKernel:
-    """Transformer Engine for the functional API (``ulysses_attention(backend="te")``): the
-    :class:`TEAttention` modules of one prepared call -- one per head shape it meets (its heads, or
-    its head chunks under overlap) -- built on first use and released with the call.  Inside a
+    """Transformer Engine as a kernel (the registry's ``"te"``, what ``ulysses_attention(backend="te")``
+    runs): the :class:`TEAttention` modules of whoever resolved it -- a prepared call: one per head
+    shape it meets (its heads, or its head chunks under overlap) -- built on first use and released
+    with it.  Inside a
     Megatron model each ``UlyssesAttention`` owns its own instead.  ``ring_group``: TE's p2p ring."""
 
     def __init__(self, ring_group=None):
@@ -104,10 +105,3 @@ class TEKernel:
                 *shape, softmax_scale=softmax_scale, dropout_p=dropout_p, ring_group=self.ring_group
             ).to(q.device)
         return mod(q, k, v, causal=causal, layout=layout, **kw)
-
-
-def te_attention(q, k, v, *, causal, softmax_scale=None, layout="sbhd", dropout_p=0.0, **kw):
-    """Transformer Engine for one call outside a prepared call (the registry's ``"te"``): a module
-    built for it (a prepared call keeps its own: :class:`TEKernel`)."""
-    run = TEKernel(kw.pop("ring_group", None))
-    return run(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout, dropout_p=dropout_p, **kw)
