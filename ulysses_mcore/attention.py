@@ -15,8 +15,8 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from . import call
 from .call import LIVE_CACHES, CallCache
+from .call import release as release_caches
 from .exchange.orders import load_balanced_permutation, per_document_order  # noqa: F401 - public here too
 from .kernels.registry import Kernel
 from .options import NO_TENSORS, CallSite, CallTensors, attention_options
@@ -119,7 +119,7 @@ def release() -> None:
     ``UlyssesAttention`` modules hold their own prepared calls: they go with the model.  Not needed
     for a clean exit: at exit the package lets go of every group it holds by itself
     (:func:`_let_go_at_exit`)."""
-    call.release([CALLS])
+    release_caches([CALLS])
 
 
 @atexit.register
@@ -127,7 +127,7 @@ def _let_go_at_exit() -> None:
     """At interpreter exit, while Python is still whole: every prepared call of every cache (the
     modules' too) lets go of the process groups it holds, so none is destroyed during finalization
     (where gloo aborts the process: docs/design.md, "No abort at exit")."""
-    call.release(LIVE_CACHES)
+    release_caches(LIVE_CACHES)
 
 
 def new_sequence_groups(ulysses: int, cp: int = 1):
