@@ -82,3 +82,25 @@ def test_small_and_cpu_tensors_stay_where_they_are_without_copy_host():
     big = torch.ones(1 << 19)  # 2 MB on the CPU: already host memory
     assert hooks._pack(small) is small and hooks._pack(big) is big
     assert hooks.stats["tensors"] == 0
+
+
+class Head(torch.nn.Module):
+    """A matmul against a weight as large as its input: the backward saves both (as a loss's output
+    layer does); the model holds the weight, so copying it frees nothing."""
+
+    def __init__(self, width=32):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(64, width, dtype=torch.float64))
+
+    def forward(self, x):
+        return torch.tanh(x) @ self.weight.t()
+
+
+def test_a_parameter_saved_for_the_backward_stays_on_the_device():
+    model, x = Head(), torch.randn(64, 32, dtype=torch.float64)
+    want = _grads(model, x)
+    stats = enable_activation_offload(model, min_bytes=1, copy_host=True)
+    got = _grads(model, x)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    # tanh's output (the matmul's input) and tanh's own saved output: two activations, the weight not
+    assert stats["tensors"] == 2 and stats["peak_host_bytes"] == 2 * 64 * 32 * 8

@@ -39,9 +39,9 @@ def _line(r) -> str:
         [
             f"{r.kind}: {r.seconds:.1f} s",
             f"  attention kernels: forward {kernels}; backward {back}",
-            f"  memory GB: parameters {r.params_gb:.2f} (measured), gradients {r.grads_gb:.2f} (modelled), "
-            f"optimizer {r.optimizer_gb:.2f} (modelled), activations {r.activations_gb:.2f} at the forward's peak, "
-            f"{r.step_gb:.2f} at the step's (measured) -> peak {r.peak_gb:.2f}; host {r.host_gb:.2f}",
+            f"  memory GB (measured): parameters {r.params_gb:.2f}, gradients {r.grads_gb:.2f}, "
+            f"optimizer {r.optimizer_gb:.2f}, activations {r.activations_gb:.2f} at the forward's peak, "
+            f"{r.step_gb:.2f} at the backward's -> peak {r.peak_gb:.2f} of the whole step; host {r.host_gb:.2f}",
             f"  plan GB:   weights {p['weights_bytes']:.2f}, gradients {p['grads_bytes']:.2f}, optimizer "
             f"{p['optimizer_bytes']:.2f}, activations + loss {p['activations_bytes'] + p['loss_transient_bytes']:.2f}"
             f" -> peak {p['total_bytes']:.2f} ({100 * (p['total_bytes'] / r.peak_gb - 1):+.1f}%)",

@@ -16,7 +16,7 @@ the first GPU run shows up here:
 No numerics: fake tensors hold no values.  Needs the CUDA build of torch (CI's Python 3.12 leg
 installs it); :func:`unavailable` says why not otherwise.
 
-Two things of a real GPU cannot be had without one, and are modelled here, by name:
+Three things of a real GPU cannot be had without one, and are modelled here, by name:
 
 * torch's SDPA picks its kernel from the device's properties, so without a GPU it falls back to
   the unfused math path.  :class:`SdpaAsOnGpu` stands in for the choice torch makes on a
@@ -24,7 +24,9 @@ Two things of a real GPU cannot be had without one, and are modelled here, by na
   memory-efficient with a mask or fp32; else math) and calls that fused kernel directly;
 * the autograd engine refuses a backward on fake CUDA without a device, so :func:`backward` walks
   the graph itself and calls each node's backward (the backward kernels run on the forward's saved
-  tensors, as on a GPU).
+  tensors, as on a GPU);
+* torch's fake group carries tensors, not Python objects: ``all_gather_object`` answers every rank
+  with this rank's object (the dry run's ranks of one kind build the same model).
 """
 
 from __future__ import annotations
@@ -77,11 +79,20 @@ def fake_world(world_size: int, rank: int = 0):
     if dist.is_initialized():
         raise RuntimeError("fake_world: a process group is already initialised in this process")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    gather_object, dist.all_gather_object = dist.all_gather_object, _own_object_everywhere
     try:
         with FakeTensorMode(allow_non_fake_inputs=False) as mode:
             yield mode
     finally:
+        dist.all_gather_object = gather_object
         dist.destroy_process_group()
+
+
+def _own_object_everywhere(out: list, obj, group=None) -> None:
+    """``all_gather_object`` in a fake world (torch's fake group carries no objects): every rank's
+    answer is this rank's object -- what the dry run's callers gather (Megatron's optimizer: the
+    parameter-group keys) is the same on every rank of one model."""
+    out[:] = [obj] * len(out)
 
 
 # ----------------------------------------------------------------------------- SDPA as on a GPU

@@ -135,6 +135,16 @@ def _states(c: _Shape, params: float):
     return params * (2 if c.bf16 else 4), params * 4, opt
 
 
+def _offloaded(c: _Shape, params: float, opt: float):
+    """(host, device) bytes of the optimizer: with --optimizer-cpu-offload Megatron's hybrid-device
+    optimizer keeps an fp32 copy of the rank's weights, their fp32 gradients and Adam's two moments
+    on the host (16 bytes a parameter of its shard, as the dry run measures), none on the device."""
+    if not c.optimizer_offload:
+        return 0.0, opt
+    shard = params / (c.dp * c.ulysses * c.cp) if c.distributed_optimizer else params
+    return 16 * shard, 0.0
+
+
 def _activations(c: _Shape) -> float:
     """Bytes saved for backward: per layer per local token, plus the last stage's head."""
     h_tp, (hq, hk), d = c.hidden_size, c.heads, c.d  # norm / residual width (sequence parallel would divide by tp)
@@ -161,9 +171,14 @@ def _activations(c: _Shape) -> float:
 
 
 def _host(c: _Shape) -> float:
-    """Bytes of host memory a rank holds at the end of the forward with --offload-activation-checkpoints:
-    every layer's input (the ones still on the device are copies)."""
-    return c.act * c.s_local * c.micro_batch_size * c.hidden_size * c.layers if c.offload else 0.0
+    """Bytes of host memory a rank holds at the end of the forward with --offload-activation-checkpoints
+    (the dry run's count): every layer's input, the final norm's and the output layer's, and without
+    a chunked loss its fp32 logits (the ones still on the device are copies)."""
+    if not c.offload:
+        return 0.0
+    tokens = c.s_local * c.micro_batch_size
+    logits = 0.0 if c.loss_chunk_tokens else 4 * tokens * c.vocab_size / c.tp
+    return c.act * tokens * c.hidden_size * (c.layers + 2) + logits
 
 
 def _transients(c: _Shape, params: float, act_bytes: float):
@@ -198,7 +213,7 @@ def estimate(**kw) -> dict:
     c = _Shape(**kw)
     params = _params(c)
     w_bytes, g_bytes, opt_bytes = _states(c, params)
-    host_opt, opt_bytes = (opt_bytes, 0.0) if c.optimizer_offload else (0.0, opt_bytes)
+    host_opt, opt_bytes = _offloaded(c, params, opt_bytes)
     act_bytes = _activations(c)
     loss_bytes, step_transient = _transients(c, params, act_bytes)
     a2a_layer, ring_layer = _messages(c)

@@ -45,12 +45,21 @@ class HostOffload(torch.autograd.graph.saved_tensors_hooks):
     """Saved tensors of ``min_bytes`` or more to pinned host memory, each prefetched back for the
     backward while the one saved after it is in use.
 
-    ``min_bytes``: smaller tensors stay where they are (weights' views, masks, scalars);
-    ``copy_host``: copy CPU tensors too (the tests: the bookkeeping without a GPU).  One instance per
-    forward: its saves form one chain that the backward walks in reverse."""
+    ``min_bytes``: smaller tensors stay where they are (masks, scalars); ``weights``: the storages of
+    the model's parameters (``storage._cdata``), whose views stay too -- the model holds them anyway,
+    so a host copy would free nothing; ``copy_host``: copy CPU tensors too (the tests: the
+    bookkeeping without a GPU).  One instance per forward: its saves form one chain that the
+    backward walks in reverse."""
 
-    def __init__(self, min_bytes: int = 1 << 20, *, copy_host: bool = False, stats: Optional[dict] = None):
-        self.min_bytes, self.copy_host = min_bytes, copy_host
+    def __init__(
+        self,
+        min_bytes: int = 1 << 20,
+        *,
+        copy_host: bool = False,
+        stats: Optional[dict] = None,
+        weights: frozenset = frozenset(),
+    ):
+        self.min_bytes, self.copy_host, self.weights = min_bytes, copy_host, weights
         self.stats = stats if stats is not None else _new_stats()
         self.last: Optional[_Saved] = None
         self.stream = torch.cuda.Stream() if torch.cuda.is_available() else None
@@ -58,7 +67,8 @@ class HostOffload(torch.autograd.graph.saved_tensors_hooks):
 
     def _eligible(self, t: torch.Tensor) -> bool:
         big = t.numel() * t.element_size() >= self.min_bytes
-        return big and (t.is_cuda or (self.copy_host and t.device.type == "cpu"))
+        where = t.is_cuda or (self.copy_host and t.device.type == "cpu")
+        return big and where and t.untyped_storage()._cdata not in self.weights
 
     def _pack(self, t: torch.Tensor):
         if not self._eligible(t):
@@ -133,7 +143,8 @@ def enable_activation_offload(model, *, min_bytes: int = 1 << 20, copy_host: Opt
 
     @functools.wraps(forward)
     def offloaded(*args, **kwargs):
-        with HostOffload(min_bytes, copy_host=copy_host, stats=stats):
+        weights = frozenset(p.untyped_storage()._cdata for p in model.parameters())
+        with HostOffload(min_bytes, copy_host=copy_host, stats=stats, weights=weights):
             return forward(*args, **kwargs)
 
     model.forward = offloaded

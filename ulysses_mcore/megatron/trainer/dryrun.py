@@ -5,15 +5,16 @@ kind of rank (each pipeline stage; Megatron's tensor-parallel shards are even, s
 tensor-parallel rank stands for all), starts a fake world of N ranks as that rank
 (:mod:`ulysses_mcore.devtools.fakeworld`), builds the trainer's own GPTModel (``model.build_model``:
 the same spec, config and chunked loss) on fake CUDA through Megatron's real parallel state, and
-runs one forward micro-batch through Megatron's own code into this project's attention.  Then the
-backward kernels of the attention route, on the forward's own call signature.  What it reports per
-rank kind (:class:`RankReport`):
+runs the whole step: Megatron's DDP (its gradient buffers) and optimizer of the flags, one
+optimizer step (Adam's state, as from the first step on), one micro-batch's forward through
+Megatron's own code into this project's attention, the backward of every layer, and another
+optimizer step.  What it reports per rank kind (:class:`RankReport`):
 
 * the kernel each attention call took, forward and backward, and its dtypes;
 * host reads and device mismatches: a run that has one stops, naming its source line;
-* parameters (measured), gradients and optimizer state (modelled: the trainer's DDP buffer in fp32,
-  Adam's fp32 moments and master weights) and the forward's activation peak (measured by torch's
-  ``MemTracker``), beside ``ulysses-mcore plan``'s estimate;
+* the peak live device bytes of the step (measured), and what is held through it -- parameters,
+  DDP's gradient buffers, the optimizer's master weights and moments (measured: the bytes each
+  made) -- with the forward's activation peak, beside ``ulysses-mcore plan``'s estimate;
 * FLOPs counted by ``FlopCounterMode`` (causal attention as the half it computes) per phase
   (attention, the rest) beside the step-time model's count; all-to-all bytes per layer;
 * the step time the step-time model predicts on a named GPU preset.
@@ -37,7 +38,7 @@ from ulysses_mcore.megatron.layer.batch import make_lm_batch, shard_batch
 from ulysses_mcore.megatron.layer.groups import destroy, initialize
 from ulysses_mcore.megatron.trainer.arguments import validate
 from ulysses_mcore.megatron.trainer.dynamic import DynamicGroups
-from ulysses_mcore.megatron.trainer.model import build_model
+from ulysses_mcore.megatron.trainer.model import build_model, optimizer_of
 from ulysses_mcore.megatron.trainer.training import model_forward, to_device
 from ulysses_mcore.planning import step_time
 from ulysses_mcore.planning.memory_model import estimate
@@ -51,25 +52,22 @@ class RankReport:
     rank: int
     kernels_forward: Dict[str, int]
     kernels_backward: Dict[str, int]
-    params_gb: float  # measured: the fake parameters' bytes
-    grads_gb: float  # modelled
-    optimizer_gb: float  # modelled
-    activations_gb: float  # measured: the live device bytes at the forward's peak
-    step_gb: float  # measured: the live device bytes at the step's peak (forward and the whole backward)
+    params_gb: float  # measured: the parameters' bytes (DDP's parameter buffer with the distributed optimizer)
+    grads_gb: float  # measured: DDP's gradient buffers
+    optimizer_gb: float  # measured: the device bytes the optimizer holds (master weights, Adam's moments)
+    activations_gb: float  # measured: the live device bytes the forward made, at its peak
+    step_gb: float  # measured: the live device bytes the micro-batch made, at its peak (forward and backward)
+    peak_gb: float  # measured: the live device bytes of the whole step at its peak
     plan: Dict[str, float]  # ulysses-mcore plan's estimate, GB
     forward_tflop: Dict[str, float]  # counted: {"attention", "total"}
     model_forward_tflop: Dict[str, float]  # the step-time model's count, same keys
     all_to_all_gb_per_layer: float  # sent by this rank, forward
     step_s: float  # the step-time model's prediction on the preset
     preset: str
-    host_gb: float  # host memory of this rank: offloaded layer inputs (measured) and optimizer state (modelled)
+    host_gb: float  # host memory of this rank: offloaded layer inputs and the optimizer's host state (measured)
     seconds: float
     peak_holders: List[str] = field(default_factory=list)  # the largest live tensors at the step's peak
     findings: List[str] = field(default_factory=list)
-
-    @property
-    def peak_gb(self) -> float:
-        return self.params_gb + self.grads_gb + self.optimizer_gb + max(self.activations_gb, self.step_gb)
 
 
 def rank_kinds(topo) -> List[tuple]:
@@ -165,16 +163,41 @@ def plan_estimate(args, topo) -> dict:
     return {k: v / 1e9 for k, v in est.items() if k.endswith("_bytes")}
 
 
-def _states_gb(args, topo, params: int):
-    """(gradients, optimizer on the GPU, optimizer on the host) GB, modelled as the trainer holds them:
-    DDP's grad buffer (fp32, bf16 with --grad-reduce-in-bf16); Adam's fp32 m and v, plus fp32 master
-    weights under --bf16 (sharded over dp x cp with the distributed optimizer; in host memory with
-    --optimizer-cpu-offload)."""
-    opt = params * (12 if args.bf16 else 8)
-    if args.use_distributed_optimizer:
-        opt /= topo.dp * topo.ulysses * topo.cp
-    grads = params * (2 if args.grad_reduce_in_bf16 else 4) / 1e9
-    return (grads, 0.0, opt / 1e9) if args.optimizer_cpu_offload else (grads, opt / 1e9, 0.0)
+def _gradient_bytes(model) -> int:
+    """DDP's gradient buffers (one storage each; a buffer shared with the parameters counts once)."""
+    storages = {b.grad_data.untyped_storage() for b in model.buffers + model.expert_parallel_buffers}
+    return sum(st.nbytes() for st in storages)
+
+
+def _torch_optimizers(optimizer) -> list:
+    """The torch optimizers under Megatron's: each chained one's, and the host optimizers under a
+    hybrid-device one (--optimizer-cpu-offload)."""
+    inner = [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+    return inner + [sub for o in inner for sub in getattr(o, "sub_optimizers", [])]
+
+
+def _held_tensors(opt) -> list:
+    """A torch optimizer's parameters, their gradients and its state tensors."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    state = [t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+    return params + [p.grad for p in params if p.grad is not None] + state
+
+
+def _host_bytes(optimizer) -> int:
+    """The optimizer's host memory: the storages of its parameters, their gradients and its state
+    kept on the host (--optimizer-cpu-offload), each once."""
+    tensors = [t for opt in _torch_optimizers(optimizer) for t in _held_tensors(opt)]
+    storages = {t.untyped_storage() for t in tensors if t.device.type == "cpu"}
+    return sum(st.nbytes() for st in storages)
+
+
+def _optimizer_step(optimizer) -> None:
+    """Megatron's optimizer step less the gradient norm: ``prepare_grads`` (the main gradients from
+    DDP's buffers) and ``step_with_ready_grads`` (Adam, the copy back to the weights, the
+    distributed optimizer's all-gather).  The norm for clipping ends in a host read of one scalar
+    (a sync on a GPU too; fake tensors hold no value to read); clipping scales in place."""
+    optimizer.prepare_grads()
+    optimizer.step_with_ready_grads()
 
 
 @dataclass
@@ -194,8 +217,9 @@ class _Step:
 def _step(model, batch, docs) -> _Step:
     """One micro-batch through the model and back: the forward under the kernel log and the FLOP
     counter, its saved tensors handed to the backward once (as the engine frees them), then the whole
-    backward -- every layer, full recompute's re-forward included -- through the engine-free backward,
-    parameters' gradients going to Megatron's buffer (modelled).  The live bytes span both."""
+    backward -- every layer, full recompute's re-forward included -- through the engine-free backward
+    (parameters' gradients dropped as DDP's hooks drop them into its buffer, held throughout).  The
+    live bytes the micro-batch made span both."""
     live = fw.LiveBytes()
     with fw.SdpaAsOnGpu(), live:
         with fw.KernelLog() as log, fw.flop_counter(docs) as flops, fw.SavedOnce(), fw.recording_function_inputs():
@@ -222,8 +246,39 @@ def _offloaded_gb(model) -> float:
     return stats["peak_host_bytes"] / 1e9 if stats else 0.0
 
 
+@dataclass
+class _Held:
+    """Device bytes held through the step (parameters, gradient buffers, optimizer state), the
+    step's peak, and the optimizer's host bytes."""
+
+    params: int
+    grads: int
+    optimizer: int
+    peak: int
+    host: int
+
+
+def _whole_step(args, topo, groups):
+    """(what the step held, the micro-batch's :class:`_Step`, the model): Megatron's DDP model and
+    optimizer of the flags, a first optimizer step (Adam's state, as every later step holds it),
+    one micro-batch forward and backward, a second optimizer step -- all under one byte count."""
+    live = fw.LiveBytes()
+    with live:
+        model, _ = build_model(args, vocab_size=args.vocab_size, use_cpu_initialization=False)
+        grads = _gradient_bytes(model)
+        params = live.now - grads
+        optimizer = optimizer_of(args, model, gloo=False)
+        _optimizer_step(optimizer)
+        states = live.now - params - grads
+        batch, docs = _batch(args, topo, groups)
+        _stage_input(model.module, args, batch)
+        step = _step(model, batch, docs)
+        _optimizer_step(optimizer)
+    return _Held(params, grads, states, live.peak, _host_bytes(optimizer)), step, model
+
+
 def run_rank(args, topo, label: str, rank: int, preset: str = "h100") -> RankReport:
-    """One rank kind: a fresh fake world as ``rank``, the model, one forward, the attention's backward."""
+    """One rank kind: a fresh fake world as ``rank``, the model, its whole training step."""
     t0 = time.perf_counter()
     with fw.fake_world(topo.world_size, rank=rank), stand_ins():
         dynamic = args.dynamic_ulysses
@@ -242,18 +297,12 @@ def run_rank(args, topo, label: str, rank: int, preset: str = "h100") -> RankRep
         if dynamic:
             groups = DynamicGroups(topo.world_size, topo.tp, topo.ulysses)
         try:
-            model, _ = build_model(args, vocab_size=args.vocab_size, wrap_ddp=False, use_cpu_initialization=False)
-            params = sum(p.numel() for p in model.parameters())
-            param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-            batch, docs = _batch(args, topo, groups)
-            _stage_input(model, args, batch)
-            step = _step(model, batch, docs)
+            held, step, model = _whole_step(args, topo, groups)
         finally:
             if groups is not None:
                 groups.destroy()
             destroy()
-    grads, opt, host_opt = _states_gb(args, topo, params)
-    host = host_opt + _offloaded_gb(model)
+    host = held.host / 1e9 + _offloaded_gb(model.module)
     counted = step.flops.get_flop_counts().get("Global", {})
     attn = sum(v for op, v in counted.items() if "attention" in str(op) or "varlen" in str(op))
     return RankReport(
@@ -261,11 +310,12 @@ def run_rank(args, topo, label: str, rank: int, preset: str = "h100") -> RankRep
         rank=rank,
         kernels_forward=step.forward.kernels(),
         kernels_backward=step.backward.kernels("backward"),
-        params_gb=param_bytes / 1e9,
-        grads_gb=grads,
-        optimizer_gb=opt,
+        params_gb=held.params / 1e9,
+        grads_gb=held.grads / 1e9,
+        optimizer_gb=held.optimizer / 1e9,
         activations_gb=step.forward_peak / 1e9,
         step_gb=step.step_peak / 1e9,
+        peak_gb=held.peak / 1e9,
         plan=plan_estimate(args, topo),
         forward_tflop={"attention": attn / 1e12, "total": step.flops.get_total_flops() / 1e12},
         model_forward_tflop=model_forward_tflop(args, topo),

@@ -34,7 +34,21 @@ def build_trainable(args):
     model for every tp / pp / ulysses / cp / dp layout (one --seed)."""
     model, cfg = build_model(args)
     training.init_layout_independent(model, cfg, args.seed)
-    optimizer = training.build_optimizer(
+    optimizer = optimizer_of(args, model)
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        **schedule_from_flags(args),  # the values a checkpoint's schedule is checked against
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+    )
+    return Trainable(model, optimizer, scheduler)
+
+
+def optimizer_of(args, model, *, gloo: bool = True):
+    """Megatron's optimizer of the flags over the DDP-wrapped ``model`` (``gloo=False``: no gloo
+    groups, as in the dry run's fake world)."""
+    return training.build_optimizer(
         model,
         lr=args.lr,
         min_lr=args.min_lr,
@@ -46,15 +60,8 @@ def build_trainable(args):
         adam_beta2=args.adam_beta2,
         adam_eps=args.adam_eps,
         optimizer_cpu_offload=args.optimizer_cpu_offload,
+        gloo=gloo,
     )
-    scheduler = OptimizerParamScheduler(
-        optimizer,
-        init_lr=0.0,
-        **schedule_from_flags(args),  # the values a checkpoint's schedule is checked against
-        override_opt_param_scheduler=args.override_opt_param_scheduler,
-        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
-    )
-    return Trainable(model, optimizer, scheduler)
 
 
 def build_model(args, *, vocab_size=None, wrap_ddp: bool = True, **config):

@@ -203,11 +203,14 @@ def build_optimizer(
     adam_beta2: float = 0.999,
     adam_eps: float = 1e-8,
     optimizer_cpu_offload: bool = False,
+    gloo: bool = True,
 ):
     """Megatron's optimizer (Adam) over ``model``'s parameters; ``use_distributed_optimizer`` must
     match the DDP wrapper's (its buffers are sharded for it); ``optimizer_cpu_offload``: Megatron's
-    hybrid-device optimizer keeps Adam's state and step on the host (GPU only)."""
-    offload = dict(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0) if optimizer_cpu_offload else {}
+    hybrid-device optimizer keeps Adam's state and step on the host (GPU only); ``gloo``: Megatron's
+    gloo groups exist (a fake world has none)."""
+    offload = dict(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0, use_precision_aware_optimizer=True)
+    offload = offload if optimizer_cpu_offload else {}
     cfg = OptimizerConfig(
         optimizer="adam",
         lr=lr,
@@ -222,7 +225,7 @@ def build_optimizer(
         adam_eps=adam_eps,
         **offload,
     )
-    return get_megatron_optimizer(cfg, [model])
+    return get_megatron_optimizer(cfg, [model], use_gloo_process_groups=gloo)
 
 
 def model_forward(model, batch: Dict):
