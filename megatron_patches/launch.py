@@ -6,7 +6,8 @@
 What it does before running the script, unchanged, as ``__main__``:
 
 * sets ``CUDA_DEVICE_MAX_CONNECTIONS=1`` when it is unset (Megatron-LM requires it with
-  context parallelism, which ``--ulysses-degree`` is folded into, before Blackwell);
+  context parallelism, which ``--ulysses-degree`` is folded into, before Blackwell), except with
+  ``--use-torch-fsdp2`` / ``--use-megatron-fsdp`` (Megatron-LM's FSDP refuses it);
 * without CUDA only: :func:`ulysses_mcore.megatron.compat.cpu_compat.apply_megatron_lm` (the CPU
   adaptations of megatron.core and megatron.training; nothing on a GPU node);
 * :func:`megatron_patches.apply` (``--ulysses-degree`` folded into context parallelism, the
@@ -105,7 +106,8 @@ def main(argv=None):
     if not os.path.isfile(script):
         print(f"error: {script}: no such script. {USAGE}", file=sys.stderr)
         return 2
-    if max(_degrees(argv[1:])) > 1:
+    fsdp = any(flag in argv for flag in ("--use-torch-fsdp2", "--use-megatron-fsdp"))
+    if max(_degrees(argv[1:])) > 1 and not fsdp:  # Megatron-LM: FSDP refuses a single connection
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     problem = _import_megatron_lm()

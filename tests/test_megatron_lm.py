@@ -202,6 +202,31 @@ def test_loss_lines_equal_without_ulysses(layout):
     assert_same_lines(got, want, range(1, 5), layout)
 
 
+FSDP2 = ["--use-torch-fsdp2", "--untie-embeddings-and-output-weights"]
+
+
+def _megatron_core() -> tuple:
+    from megatron.core.package_info import __version__
+
+    return tuple(int(p) for p in __version__.split(".")[:2])
+
+
+@pytest.mark.skipif(
+    _megatron_core() < (0, 17),
+    reason="megatron-core 0.16.1's torch-FSDP2 wrapper fails without Ulysses too: its finish_grad_sync takes no "
+    "force_all_reduce, which its own finalize_model_grads passes",
+)
+def test_torch_fsdp2_shards_over_the_ulysses_ranks_exactly():
+    """Megatron's torch-FSDP2 wrapper (weights, gradients and Adam's state sharded over the
+    data-parallel x context-parallel ranks, Ulysses' included): ulysses 2 x dp 2 against dp 4, the
+    same 4 ranks.  The launcher leaves CUDA_DEVICE_MAX_CONNECTIONS unset for it (Megatron-LM's FSDP
+    refuses 1, which context parallelism otherwise asks for)."""
+    got = run_megatron_lm(4, ["--ulysses-degree", "2", *FSDP2])
+    assert "[ulysses-mcore] core attention: UlyssesAttention" in got[2]
+    want = run_megatron_lm(4, FSDP2)
+    assert_same_lines(got, want, range(1, 5), "torch FSDP2, ulysses 2 x dp 2")
+
+
 def test_dynamic_ulysses_is_refused_at_start_up_on_every_rank():
     """Megatron-LM's script with --dynamic-ulysses stops in its argument validation, before any
     collective, on both ranks, saying why and which command runs it.  Each rank runs alone, as

@@ -26,16 +26,19 @@ is installed only without CUDA (or with ``force``) and undone by :func:`remove`.
    (NaN at iteration 1 with Ulysses' allocations in between).  Each swapped-out storage is kept
    until the next pipelined ``forward_backward`` starts (NCCL records the storage in its work:
    GPUs need nothing).
+8. ``parallel_state.get_nccl_options`` answers ``None``: NCCL communicator options (the
+   high-priority stream Megatron-LM asks for its FSDP's data-parallel group) mean nothing to gloo.
+9. Megatron's torch-FSDP2 wrapper builds its ``DeviceMesh`` on ``"cuda"``: on the CPU.
 
 :func:`apply_megatron_lm` (idempotent; after :func:`apply`) -- for Megatron-LM's trainer:
 
-8. ``initialize_megatron`` runs with ``allow_no_cuda=True`` (it asserts CUDA otherwise).
-9. ``_initialize_distributed`` and ``_set_random_seed`` see one "device": without it they
+10. ``initialize_megatron`` runs with ``allow_no_cuda=True`` (it asserts CUDA otherwise).
+11. ``_initialize_distributed`` and ``_set_random_seed`` see one "device": without it they
    skip ``initialize_model_parallel`` and the model-parallel RNG seeds when
    ``torch.cuda.device_count() == 0``; ``torch.cuda.set_device`` is a no-op meanwhile.
-10. ``megatron.legacy.fused_kernels.load`` does nothing (CUDA kernels; the CPU path never
+12. ``megatron.legacy.fused_kernels.load`` does nothing (CUDA kernels; the CPU path never
    calls them), nor does ``_warmup_jit_function`` (it warms fused kernels up on CUDA tensors).
-11. ``get_device_arch_version`` answers 0 (no CUDA architecture: Megatron-LM keeps its
+13. ``get_device_arch_version`` answers 0 (no CUDA architecture: Megatron-LM keeps its
    pre-Blackwell rules, e.g. ``CUDA_DEVICE_MAX_CONNECTIONS=1`` with context parallelism).
 """
 
@@ -144,6 +147,8 @@ def apply(force: bool = False) -> bool:
     mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
 
     _keep_sent_outputs()
+    _patch("megatron.core.parallel_state", "get_nccl_options", lambda *a, **k: None)
+    _fsdp2_mesh_on_cpu()
     moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
@@ -169,6 +174,27 @@ def remove() -> None:
         delattr(mod, name)
     _ADDED.clear()
     _SENT.clear()
+
+
+class _CpuMesh:
+    """``DeviceMesh`` as Megatron's torch-FSDP2 wrapper builds it (``from_group(group, "cuda")``),
+    on the CPU."""
+
+    @staticmethod
+    def from_group(group, device_type, *args, **kwargs):
+        from torch.distributed import DeviceMesh
+
+        return DeviceMesh.from_group(group, "cpu" if device_type == "cuda" else device_type, *args, **kwargs)
+
+
+def _fsdp2_mesh_on_cpu() -> None:
+    """Shim 9: torch FSDP2's mesh on the CPU (where torch has FSDP2 and Megatron its wrapper)."""
+    try:
+        fsdp2 = importlib.import_module("megatron.core.distributed.torch_fully_sharded_data_parallel")
+    except ImportError:
+        return
+    if hasattr(fsdp2, "DeviceMesh"):
+        _patch(fsdp2.__name__, "DeviceMesh", _CpuMesh)
 
 
 def _keep_sent_outputs() -> None:
@@ -234,7 +260,7 @@ def _patch(modname: str, name: str, new) -> None:
 
 
 def apply_megatron_lm(force: bool = False) -> bool:
-    """Also adapt Megatron-LM's ``megatron.training`` (shims 8-11) when CUDA is absent; return
+    """Also adapt Megatron-LM's ``megatron.training`` (shims 10-13) when CUDA is absent; return
     whether they are active.  Needs Megatron-LM importable; applies :func:`apply` first."""
     if not apply(force):
         return False

@@ -174,7 +174,7 @@ _MEMORY_RULES = (
             f"{'--use-megatron-fsdp' if a.use_megatron_fsdp else '--use-torch-fsdp2'}: this trainer wraps the model "
             "in Megatron's DDP (with --use-distributed-optimizer the optimizer state and gradients are sharded over "
             "the data-parallel x Ulysses ranks); for sharded weights run Megatron-LM's pretrain_gpt.py through "
-            "megatron_patches"
+            "megatron_patches (--use-torch-fsdp2 with Ulysses there: exact on megatron-core 0.19; docs/memory.md)"
         ),
     ),
     (
