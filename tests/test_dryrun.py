@@ -91,3 +91,15 @@ def test_fits_line_keeps_the_allocators_share_free():
     assert fits_line(73.5, "h100") == "fits h100: yes (peak 73.5 of 80 GB, 8% kept free)"
     assert fits_line(73.7, "h100").startswith("fits h100: no")
     assert fits_line(120.0, "h200").startswith("fits h200: yes")
+
+
+def test_torch_fsdp2_is_refused_with_the_sizing_that_stands_in(capsys):
+    """torch's DeviceMesh reads its ranks back from a tensor, which fake tensors cannot answer: the
+    dry run says so and names the flag that sizes the same sharding of gradients and Adam's state."""
+    from ulysses_mcore.cli import dryrun as cli_dryrun
+
+    assert cli_dryrun.main(MODEL + ["--ulysses-degree", "8", "--use-torch-fsdp2"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "--use-torch-fsdp2: the dry run cannot build torch's DeviceMesh" in err and "--use-distributed-optimizer" in err
+    )

@@ -13,7 +13,7 @@ import os
 import pytest
 
 from tests import helpers
-from ulysses_mcore.megatron.trainer.arguments import layout_problem
+from ulysses_mcore.megatron.trainer.arguments import _megatron_core, layout_problem
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = [
@@ -38,6 +38,9 @@ FEATURES = {  # name -> flags; each runs at dp 2 and at ulysses 2
     "activation checkpoints in host memory": ["--recompute-granularity", "full", "--offload-activation-checkpoints"],
     "bf16 gradient reduction": ["--bf16", "--grad-reduce-in-bf16"],
 }
+UNTIED = ["--untie-embeddings-and-output-weights"]
+if _megatron_core() >= (0, 17):  # 0.16's wrapper fails with or without Ulysses (refused: test below)
+    FEATURES["torch FSDP2"] = ["--use-torch-fsdp2", *UNTIED]
 # model variants the long-context presets need (Qwen3: wider heads than hidden / heads, per-head q/k norms)
 VARIANTS = {"qwen3 attention": ["--kv-channels", "32", "--qk-layernorm", "--normalization", "RMSNorm"]}
 RTOL = {"bf16 gradient reduction": 1e-3}  # bf16 arithmetic: the two layouts add in another order
@@ -58,6 +61,7 @@ def world(tmp_path_factory):
 
     case("dp2", [])
     case("dp2 bf16", ["--bf16"])
+    case("dp2 untied", UNTIED)
     for name, flags in (FEATURES | VARIANTS).items():
         case(f"{name} | dp2", flags)
         case(f"{name} | u2", flags + ["--ulysses-degree", "2"])
@@ -83,6 +87,11 @@ def world(tmp_path_factory):
     return rows
 
 
+def _plain(flags) -> str:
+    """The run without the feature: the same precision and embeddings, Megatron's DDP."""
+    return "dp2 bf16" if "--bf16" in flags else "dp2 untied" if UNTIED[0] in flags else "dp2"
+
+
 def _close(a, b, rtol):
     assert sorted(a) == sorted(b), (a, b)
     for it in a:
@@ -96,7 +105,7 @@ def test_feature_with_ulysses_gives_the_losses_without(world, name):
     """Ulysses 2 against dp 2 with the feature on, and the feature against the plain run (it changes no math)."""
     rtol = RTOL.get(name, 1e-5)
     _close(world[f"{name} | u2"], world[f"{name} | dp2"], rtol)
-    _close(world[f"{name} | dp2"], world["dp2 bf16" if "--bf16" in FEATURES[name] else "dp2"], rtol)
+    _close(world[f"{name} | dp2"], world[_plain(FEATURES[name])], rtol)
     assert len(world[f"{name} | u2"]) == 4
 
 
@@ -129,8 +138,10 @@ REFUSED = [  # (flags, the words the refusal must hold): before any process grou
     (["--overlap-param-gather", "--overlap-grad-reduce"], "needs --use-distributed-optimizer"),
     (["--grad-reduce-in-bf16"], "needs --bf16"),
     (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"], "pretrain_gpt.py"),
-    (["--use-megatron-fsdp"], "--use-megatron-fsdp: this trainer wraps"),
-    (["--use-torch-fsdp2"], "--use-torch-fsdp2: this trainer wraps"),
+    (["--use-megatron-fsdp"], "--use-megatron-fsdp: this trainer shards weights with torch FSDP2"),
+    (["--use-torch-fsdp2"], "add --untie-embeddings-and-output-weights"),
+    (["--use-torch-fsdp2", *UNTIED, "--use-distributed-optimizer"], "FSDP2 shards Adam's state itself"),
+    (["--use-torch-fsdp2", *UNTIED, "--save", "ck"], "--use-torch-fsdp2 with --save: this trainer's checkpoints"),
     (["--num-experts", "3", "--expert-model-parallel-size", "2"], "divisible by --expert-model-parallel-size"),
     (["--expert-model-parallel-size", "2"], "add --num-experts"),
     (["--optimizer-cpu-offload"], "needs --use-distributed-optimizer"),
@@ -147,6 +158,16 @@ CPU_ONLY_REFUSED = [
 def test_inconsistent_memory_flags_are_refused_by_name(flags, needle):
     problem = layout_problem(BASE + ["--num-layers", "4"] + flags, 4)
     assert needle in problem, problem
+
+
+def test_torch_fsdp2_is_refused_where_megatrons_wrapper_fails():
+    """megatron-core 0.16's torch-FSDP2 wrapper fails with or without Ulysses: refused there by name
+    (the fix: a newer megatron-core); from 0.17 on the same flags pass the checks (and train: above)."""
+    problem = layout_problem(BASE + ["--use-torch-fsdp2", *UNTIED], 2)
+    if _megatron_core() < (0, 17):
+        assert "--use-torch-fsdp2: megatron-core 0.16's torch-FSDP2 wrapper fails" in problem, problem
+    else:
+        assert not problem, problem
 
 
 @pytest.mark.parametrize("flags,needle", CPU_ONLY_REFUSED, ids=[" ".join(f) for f, _ in CPU_ONLY_REFUSED])

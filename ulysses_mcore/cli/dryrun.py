@@ -90,7 +90,7 @@ def main(argv=None) -> int:
         print(f"dry run: world {args.world_size}, {_layout(args)}: FAILED: {found}")
         return 1
     if args.json:
-        print(json.dumps([asdict(r) | {"peak_gb": r.peak_gb} for r in reports], indent=1))
+        print(json.dumps([asdict(r) for r in reports], indent=1))
     else:
         print("\n".join(_line(r) for r in reports))
     top = max(reports, key=lambda r: r.peak_gb)

@@ -128,6 +128,31 @@ def check_ranges(args) -> None:
 
 
 # a CPU run: no CUDA, and not the dry run (its fake CUDA sizes what a GPU runs)
+def _megatron_core() -> tuple:
+    from megatron.core.package_info import __version__
+
+    return tuple(int(p) for p in __version__.split(".")[:2])
+
+
+_FSDP2_RULES = (  # Megatron-LM's rules for --use-torch-fsdp2: (flag, broken when, why)
+    ("pipeline_model_parallel_size", lambda v: v > 1, "--pipeline-model-parallel-size: FSDP2 runs one stage "
+     "(Megatron-LM's rule); drop pipeline parallelism"),
+    ("expert_model_parallel_size", lambda v: v > 1, "--expert-model-parallel-size (Megatron-LM's rule)"),
+    ("use_distributed_optimizer", bool, "--use-distributed-optimizer: FSDP2 shards Adam's state itself; drop it"),
+    ("overlap_grad_reduce", bool, "--overlap-grad-reduce: DDP's buckets; FSDP2 overlaps its own reduce-scatter"),
+    ("untie_embeddings_and_output_weights", lambda v: not v, "tied embeddings: add "
+     "--untie-embeddings-and-output-weights (Megatron-LM's rule)"),
+    ("save", bool, "--save: this trainer's checkpoints hold Megatron's DDP layout, not FSDP2's sharded weights "
+     "and optimizer (not yet); train without --save, or save from Megatron's DDP"),
+    ("load", bool, "--load: this trainer's checkpoints hold Megatron's DDP layout, not FSDP2's (not yet)"),
+)  # fmt: skip
+
+
+def _fsdp2_conflict(a) -> str:
+    """The first of Megatron-LM's FSDP2 rules the flags break ("" if none)."""
+    return next((why for name, broken, why in _FSDP2_RULES if broken(getattr(a, name))), "")
+
+
 _cpu = lambda a: not torch.cuda.is_available() and not getattr(a, "fake_cuda", False)  # noqa: E731
 # Megatron-LM's memory features (docs/memory.md): each rule as Megatron-LM states it, then each feature that
 # cannot run here, refused by name with the reason before any process group starts
@@ -169,12 +194,23 @@ _MEMORY_RULES = (
         ),
     ),
     (
-        lambda a, t: a.use_megatron_fsdp or a.use_torch_fsdp2,
+        lambda a, t: a.use_megatron_fsdp,
         lambda a, t: (
-            f"{'--use-megatron-fsdp' if a.use_megatron_fsdp else '--use-torch-fsdp2'}: this trainer wraps the model "
-            "in Megatron's DDP (with --use-distributed-optimizer the optimizer state and gradients are sharded over "
-            "the data-parallel x Ulysses ranks); for sharded weights run Megatron-LM's pretrain_gpt.py through "
-            "megatron_patches (--use-torch-fsdp2 with Ulysses there: exact on megatron-core 0.19; docs/memory.md)"
+            "--use-megatron-fsdp: this trainer shards weights with torch FSDP2 (--use-torch-fsdp2) or, with "
+            "--use-distributed-optimizer, gradients and Adam's state over the data-parallel x Ulysses ranks; "
+            "Megatron-FSDP runs in Megatron-LM's pretrain_gpt.py through megatron_patches (GPU)"
+        ),
+    ),
+    (
+        lambda a, t: a.use_torch_fsdp2 and _fsdp2_conflict(a),
+        lambda a, t: f"--use-torch-fsdp2 with {_fsdp2_conflict(a)}",
+    ),
+    (
+        lambda a, t: a.use_torch_fsdp2 and _megatron_core() < (0, 17),
+        lambda a, t: (
+            "--use-torch-fsdp2: megatron-core 0.16's torch-FSDP2 wrapper fails with or without Ulysses (its "
+            "finish_grad_sync takes no force_all_reduce, which its own finalize_model_grads passes): "
+            "use megatron-core 0.17 or newer, or --use-distributed-optimizer"
         ),
     ),
     (

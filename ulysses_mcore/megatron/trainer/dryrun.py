@@ -328,8 +328,17 @@ def run_rank(args, topo, label: str, rank: int, preset: str = "h100") -> RankRep
     )
 
 
+FSDP2_UNSIZED = (
+    "--use-torch-fsdp2: the dry run cannot build torch's DeviceMesh on fake tensors (its constructor reads "
+    "the ranks back from a tensor); size the layout with --use-distributed-optimizer instead (gradients and "
+    "Adam's state sharded over the same ranks; FSDP2 shards the weights too)"
+)
+
+
 def run(args, world_size: int, preset: str = "h100") -> List[RankReport]:
     """Every rank kind of the layout the flags give at ``world_size`` ranks."""
+    if args.use_torch_fsdp2:
+        raise ValueError(FSDP2_UNSIZED)
     topo = validate(args, world_size)
     return [run_rank(args, topo, label, rank, preset) for label, rank in rank_kinds(topo)]
 

@@ -32,8 +32,10 @@ class Trainable(NamedTuple):
 def build_trainable(args):
     """(DDP GPTModel, Megatron optimizer, Megatron LR scheduler) of the flags; the same initial
     model for every tp / pp / ulysses / cp / dp layout (one --seed)."""
-    model, cfg = build_model(args)
-    training.init_layout_independent(model, cfg, args.seed)
+    model, cfg = build_model(args, wrap_ddp=not args.use_torch_fsdp2)
+    training.init_layout_independent(model, cfg, args.seed)  # before FSDP2 shards the weights
+    if args.use_torch_fsdp2:
+        model = training.shard_fully(model, cfg)
     optimizer = optimizer_of(args, model)
     scheduler = OptimizerParamScheduler(
         optimizer,
@@ -172,6 +174,7 @@ def _config_of(args) -> dict:
         bf16=args.bf16,
         params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
         sequence_parallel=args.sequence_parallel,
+        transformer_impl=args.transformer_impl,  # Megatron-LM passes it (FSDP2 wraps by it)
         **_recompute_of(args),
         **_memory_of(args),
     )

@@ -289,9 +289,9 @@ FLAG_HELP = {  # the help line of each flag that does not carry its own (Megatro
     "(Megatron's fine-grained offloading; needs CUDA streams: GPU)",
     "--offload-modules": "with --fine-grained-activation-offloading: Megatron's module names (e.g. "
     "attn_norm core_attn attn_proj mlp_norm expert_fc1 moe_act)",
-    "--use-megatron-fsdp": "shard weights, gradients and optimizer state over the data-parallel x Ulysses "
-    "ranks with Megatron-FSDP (GPU)",
-    "--use-torch-fsdp2": "the same with torch FSDP2 (GPU)",
+    "--use-megatron-fsdp": "Megatron-FSDP (Megatron-LM's script through megatron_patches; this trainer refuses it)",
+    "--use-torch-fsdp2": "shard weights, gradients and Adam's state over the data-parallel x Ulysses ranks with "
+    "torch FSDP2 (Megatron's wrapper; megatron-core 0.17+, untied embeddings, no checkpoints yet)",
     "--bf16": "bf16 weights and activations (fp32 gradients buffer, master weights and Adam state)",
     "--make-vocab-size-divisible-by": "pad the vocabulary to a multiple of this (default: %(default)s)",
     "--micro-batch-size": "samples per micro-batch on each data-parallel rank (default: %(default)s)",

@@ -141,6 +141,34 @@ def build_gpt(
     return ddp
 
 
+def shard_fully(model, config, *, reshard_after_forward: bool = True):
+    """``model`` in Megatron's torch-FSDP2 wrapper: each layer's weights, gradients and Adam's state
+    sharded over the data-parallel x context-parallel ranks (Ulysses' included), the weights
+    gathered for each layer's forward and backward (``reshard_after_forward``: let go between)."""
+    from megatron.core.distributed import TorchFullyShardedDataParallel, TorchFullyShardedDataParallelConfig
+
+    class FullyShardedScaled(TorchFullyShardedDataParallel):
+        """Megatron's wrapper for a per-token loss, as Megatron's DDP treats one: the ranks'
+        gradients summed (FSDP2 averages them by default), and the division by the step's token
+        count (``finalize_model_grads``) made on the gradients' shards (the wrapper's
+        ``scale_gradients`` is its base class's no-op)."""
+
+        def scale_gradients(self, scaling_factor: float) -> None:
+            for p in self.module.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scaling_factor)
+
+    fsdp_config = TorchFullyShardedDataParallelConfig(reshard_after_forward=reshard_after_forward)
+    fsdp = FullyShardedScaled(config=config, ddp_config=fsdp_config, module=model)
+    for module in fsdp.module.modules():
+        if hasattr(module, "set_gradient_divide_factor"):  # a module fully_shard wrapped: a plain sum
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # no pre-multiplied sum (gloo has none)
+    config.no_sync_func = fsdp.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    return fsdp
+
+
 def sync_params(model) -> None:
     """With ``overlap_param_gather`` the distributed optimizer's step leaves the all-gather of the
     updated weights to the next forward's pre-hooks: finish it now (before a checkpoint is written,
@@ -358,6 +386,7 @@ __all__ = [
     "build_gpt",
     "init_layout_independent",
     "build_optimizer",
+    "shard_fully",
     "sync_params",
     "forward_backward",
     "train_step",
