@@ -24,6 +24,7 @@ import torch
 
 from tests.helpers import free_port, run_in_session
 from ulysses_mcore.megatron.compat.patches import CPU_FLAGS
+from ulysses_mcore.megatron.trainer.arguments import _megatron_core
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MEGATRON_LM = os.environ.get("MEGATRON_LM", "")
@@ -203,12 +204,6 @@ def test_loss_lines_equal_without_ulysses(layout):
 
 
 FSDP2 = ["--use-torch-fsdp2", "--untie-embeddings-and-output-weights"]
-
-
-def _megatron_core() -> tuple:
-    from megatron.core.package_info import __version__
-
-    return tuple(int(p) for p in __version__.split(".")[:2])
 
 
 @pytest.mark.skipif(

@@ -49,6 +49,7 @@ import functools
 import importlib
 
 import torch
+from torch.distributed import DeviceMesh
 from torch.overrides import TorchFunctionMode
 
 _SAVED: dict = {}
@@ -182,8 +183,6 @@ class _CpuMesh:
 
     @staticmethod
     def from_group(group, device_type, *args, **kwargs):
-        from torch.distributed import DeviceMesh
-
         return DeviceMesh.from_group(group, "cpu" if device_type == "cuda" else device_type, *args, **kwargs)
 
 

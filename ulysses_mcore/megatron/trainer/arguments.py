@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+from importlib.metadata import version
 
 import torch
 
@@ -129,9 +130,8 @@ def check_ranges(args) -> None:
 
 # a CPU run: no CUDA, and not the dry run (its fake CUDA sizes what a GPU runs)
 def _megatron_core() -> tuple:
-    from megatron.core.package_info import __version__
-
-    return tuple(int(p) for p in __version__.split(".")[:2])
+    """megatron-core's (major, minor) installed."""
+    return tuple(int(p) for p in version("megatron-core").split(".")[:2])
 
 
 _FSDP2_RULES = (  # Megatron-LM's rules for --use-torch-fsdp2: (flag, broken when, why)

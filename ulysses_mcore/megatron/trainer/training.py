@@ -19,7 +19,13 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    TorchFullyShardedDataParallel,
+    TorchFullyShardedDataParallelConfig,
+    finalize_model_grads,
+)
 from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -141,25 +147,24 @@ def build_gpt(
     return ddp
 
 
+class _FullyShardedScaled(TorchFullyShardedDataParallel):
+    """Megatron's wrapper for a per-token loss, as Megatron's DDP treats one: the ranks'
+    gradients summed (FSDP2 averages them by default), and the division by the step's token
+    count (``finalize_model_grads``) made on the gradients' shards (the wrapper's
+    ``scale_gradients`` is its base class's no-op)."""
+
+    def scale_gradients(self, scaling_factor: float) -> None:
+        for p in self.module.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scaling_factor)
+
+
 def shard_fully(model, config, *, reshard_after_forward: bool = True):
     """``model`` in Megatron's torch-FSDP2 wrapper: each layer's weights, gradients and Adam's state
     sharded over the data-parallel x context-parallel ranks (Ulysses' included), the weights
     gathered for each layer's forward and backward (``reshard_after_forward``: let go between)."""
-    from megatron.core.distributed import TorchFullyShardedDataParallel, TorchFullyShardedDataParallelConfig
-
-    class FullyShardedScaled(TorchFullyShardedDataParallel):
-        """Megatron's wrapper for a per-token loss, as Megatron's DDP treats one: the ranks'
-        gradients summed (FSDP2 averages them by default), and the division by the step's token
-        count (``finalize_model_grads``) made on the gradients' shards (the wrapper's
-        ``scale_gradients`` is its base class's no-op)."""
-
-        def scale_gradients(self, scaling_factor: float) -> None:
-            for p in self.module.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(scaling_factor)
-
     fsdp_config = TorchFullyShardedDataParallelConfig(reshard_after_forward=reshard_after_forward)
-    fsdp = FullyShardedScaled(config=config, ddp_config=fsdp_config, module=model)
+    fsdp = _FullyShardedScaled(config=config, ddp_config=fsdp_config, module=model)
     for module in fsdp.module.modules():
         if hasattr(module, "set_gradient_divide_factor"):  # a module fully_shard wrapped: a plain sum
             module.set_gradient_divide_factor(1.0)
