@@ -93,13 +93,21 @@ def test_fits_line_keeps_the_allocators_share_free():
     assert fits_line(120.0, "h200").startswith("fits h200: yes")
 
 
-def test_torch_fsdp2_is_refused_with_the_sizing_that_stands_in(capsys):
-    """torch's DeviceMesh reads its ranks back from a tensor, which fake tensors cannot answer: the
-    dry run says so and names the flag that sizes the same sharding of gradients and Adam's state."""
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (["--use-torch-fsdp2"], "--use-torch-fsdp2: the dry run cannot build torch's DeviceMesh"),
+        (
+            ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
+            "--num-layers-per-virtual-pipeline-stage: the dry run sizes one model chunk a pipeline stage",
+        ),
+    ],
+)
+def test_what_the_dry_run_cannot_size_is_refused_with_the_flag_that_stands_in(capsys, flags, needle):
+    """torch's DeviceMesh reads its ranks back from a tensor, which fake tensors cannot answer; the
+    interleaved schedule's chunks are sized as one: the dry run says so (exit 2) and names the fix."""
     from ulysses_mcore.cli import dryrun as cli_dryrun
 
-    assert cli_dryrun.main(MODEL + ["--ulysses-degree", "8", "--use-torch-fsdp2"]) == 2
+    assert cli_dryrun.main(MODEL + ["--ulysses-degree", "4", *flags]) == 2
     err = capsys.readouterr().err
-    assert (
-        "--use-torch-fsdp2: the dry run cannot build torch's DeviceMesh" in err and "--use-distributed-optimizer" in err
-    )
+    assert needle in err, err

@@ -257,6 +257,28 @@ def test_same_initial_model_for_every_layout(runs, tmp_path):
             assert close(got[it], base[it]), (name, it, got[it], base[it])
 
 
+def test_interleaved_pipeline_with_ulysses_gives_the_losses_without(tmp_path):
+    """The interleaved schedule (4 layers, pp 2, chunks of 1 layer: 2 model chunks a stage) on 4
+    ranks: ulysses 2 gives the losses of dp 2 on the same ranks (1e-5), and both those of the plain
+    pipeline (one chunk a stage)."""
+    vpp = ["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--global-batch-size", "8"]
+    out = {}
+    for name, extra in [
+        ("vpp u2", [*vpp, "--num-layers-per-virtual-pipeline-stage", "1", "--ulysses-degree", "2"]),
+        ("vpp dp2", [*vpp, "--num-layers-per-virtual-pipeline-stage", "1"]),
+        ("pp dp2", vpp),
+    ]:
+        d = tmp_path / name.replace(" ", "_")
+        d.mkdir()
+        r = launch(4, COMMON + extra, d)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        out[name] = losses(d)
+    assert sorted(out["vpp u2"]) == list(range(1, 7))
+    for it, want in out["vpp dp2"].items():
+        assert close(out["vpp u2"][it], want, rtol=1e-5), (it, out["vpp u2"][it], want)
+        assert close(want, out["pp dp2"][it], rtol=1e-5), (it, want, out["pp dp2"][it])
+
+
 MEGATRON_LM_FAMILY = [
     "--group-query-attention",
     "--num-query-groups",

@@ -129,6 +129,22 @@ def check_ranges(args) -> None:
 
 
 # a CPU run: no CUDA, and not the dry run (its fake CUDA sizes what a GPU runs)
+def _virtual_problem(a, t) -> str:
+    """Why the interleaved schedule cannot run these flags ("" if it can); ``t``: the layout."""
+    pp, per = a.pipeline_model_parallel_size, a.num_layers_per_virtual_pipeline_stage
+    stage = a.num_layers // pp
+    micro = a.global_batch_size // (a.micro_batch_size * t.dp)
+    rules = (
+        (pp < 2, "the interleaved schedule needs --pipeline-model-parallel-size 2 or more"),
+        (per < 1 or stage % per, f"a stage's {stage} layers must split into chunks of this many: pass a divisor"),
+        (per >= 1 and stage // per < 2, f"a stage's {stage} layers make one chunk: pass at most {stage // 2}"),
+        (a.save or a.load, "this trainer's checkpoints hold one model chunk per stage (not yet): drop --save/--load"),
+        (micro % pp, f"the interleaved schedule runs micro-batches in groups of --pipeline-model-parallel-size "
+         f"{pp}; a step has {micro} a rank: make --global-batch-size a multiple of {pp} x micro-batch x dp"),
+    )  # fmt: skip
+    return next((why for broken, why in rules if broken), "")
+
+
 def _megatron_core() -> tuple:
     """megatron-core's (major, minor) installed."""
     return tuple(int(p) for p in version("megatron-core").split(".")[:2])
@@ -186,11 +202,10 @@ _MEMORY_RULES = (
         lambda a, t: "--grad-reduce-in-bf16 reduces bf16 gradients: it needs --bf16",
     ),
     (
-        lambda a, t: a.num_layers_per_virtual_pipeline_stage is not None,
+        lambda a, t: a.num_layers_per_virtual_pipeline_stage is not None and _virtual_problem(a, t),
         lambda a, t: (
-            f"--num-layers-per-virtual-pipeline-stage {a.num_layers_per_virtual_pipeline_stage}: this trainer "
-            "runs one model chunk per pipeline stage; the interleaved pipeline with Ulysses runs in Megatron-LM's "
-            "own pretrain_gpt.py through megatron_patches (docs/megatron-lm.md)"
+            f"--num-layers-per-virtual-pipeline-stage {a.num_layers_per_virtual_pipeline_stage}: "
+            + _virtual_problem(a, t)
         ),
     ),
     (

@@ -339,6 +339,12 @@ def run(args, world_size: int, preset: str = "h100") -> List[RankReport]:
     """Every rank kind of the layout the flags give at ``world_size`` ranks."""
     if args.use_torch_fsdp2:
         raise ValueError(FSDP2_UNSIZED)
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        raise ValueError(
+            "--num-layers-per-virtual-pipeline-stage: the dry run sizes one model chunk a pipeline stage (the "
+            "interleaved schedule's extra micro-batches in flight are not modelled): drop the flag to size the "
+            "same layers"
+        )
     topo = validate(args, world_size)
     return [run_rank(args, topo, label, rank, preset) for label, rank in rank_kinds(topo)]
 

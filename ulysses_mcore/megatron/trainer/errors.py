@@ -46,7 +46,12 @@ def gradient_buffers(model):
     bufs = [
         b.grad_data for lst in lists if isinstance(lst, list) for b in lst if getattr(b, "grad_data", None) is not None
     ]
-    return bufs or [p.main_grad for p in model.module.parameters() if getattr(p, "main_grad", None) is not None]
+    return bufs or [p.main_grad for p in _core(model).parameters() if getattr(p, "main_grad", None) is not None]
+
+
+def _core(model):
+    """What holds the named parameters: DDP's module, or the model (a stage's chunks) itself."""
+    return getattr(model, "module", model)
 
 
 def nonfinite_report(model, loss: float, iteration):
@@ -71,7 +76,7 @@ def nonfinite_report(model, loss: float, iteration):
             else next(
                 (
                     f"gradient of {n}"
-                    for n, p in model.module.named_parameters()
+                    for n, p in _core(model).named_parameters()
                     if getattr(p, "main_grad", None) is not None and not torch.isfinite(p.main_grad).all()
                 ),
                 "gradients",

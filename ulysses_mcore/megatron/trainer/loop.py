@@ -21,7 +21,7 @@ from ulysses_mcore.megatron.trainer.checkpoint import save_checkpoint
 from ulysses_mcore.megatron.trainer.dynamic import DynamicGroups
 from ulysses_mcore.megatron.trainer.feed import DataFeed
 from ulysses_mcore.megatron.trainer.logs import MetricsLog, TimingLog
-from ulysses_mcore.megatron.trainer.model import build_trainable
+from ulysses_mcore.megatron.trainer.model import build_trainable, virtual_stages
 from ulysses_mcore.megatron.trainer.resume import inspect_checkpoint, load_checkpoint
 from ulysses_mcore.megatron.trainer.timing import peak_gb
 
@@ -105,6 +105,7 @@ def _initialize(args, topo):
         cp=topo.cp,
         pp=topo.pp,
         ep=topo.ep,
+        virtual_pipeline_model_parallel_size=virtual_stages(args),
         distributed_timeout_minutes=max(1, int(math.ceil(args.distributed_timeout_minutes))),
         num_attention_heads=args.num_attention_heads,
         num_query_groups=args.num_query_groups,

@@ -4,6 +4,7 @@ dry run builds the same model (:func:`build_model`)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import torch
@@ -76,7 +77,8 @@ def build_model(args, *, vocab_size=None, wrap_ddp: bool = True, **config):
     dynamic = None
     if args.dynamic_ulysses:  # RoPE moves into the attention, after the exchange (docs/dynamic.md)
         dynamic = DynamicOptions(args.ulysses_degree, rope=args.position_embedding_type == "rope")
-    model = training.build_gpt(
+    build = functools.partial(
+        training.build_gpt,
         cfg,
         vocab_size=vocab_size or padded_vocab(args),  # padded independently of tp: checkpoints reshard
         max_sequence_length=args.max_position_embeddings or args.seq_length,
@@ -94,8 +96,32 @@ def build_model(args, *, vocab_size=None, wrap_ddp: bool = True, **config):
         ddp_config=ddp_config_of(args) if wrap_ddp else None,
         wrap_ddp=wrap_ddp,
     )
-    _memory_hooks(args, model.module if wrap_ddp else model)
-    return model, cfg
+    stages = virtual_stages(args)
+    if stages is None:
+        model = build()
+        _memory_hooks(args, model.module if wrap_ddp else model)
+        return model, cfg
+    chunks = training.Chunks(build(vp_stage=i) for i in range(stages))
+    for chunk in chunks:
+        _memory_hooks(args, chunk.module)
+    _chunk_sync_funcs(cfg, chunks)
+    return chunks, cfg
+
+
+def virtual_stages(args):
+    """Model chunks per pipeline stage under --num-layers-per-virtual-pipeline-stage (None without)."""
+    per_stage = args.num_layers_per_virtual_pipeline_stage
+    return None if per_stage is None else args.num_layers // args.pipeline_model_parallel_size // per_stage
+
+
+def _chunk_sync_funcs(cfg, chunks) -> None:
+    """The schedule's hooks per chunk, as Megatron-LM's ``train()`` sets them for the interleaved
+    schedule: each chunk's no-sync, grad sync and param sync."""
+    cfg.no_sync_func = [c.no_sync for c in chunks]
+    if chunks.ddp_config.overlap_grad_reduce:
+        cfg.grad_sync_func = [c.start_grad_sync for c in chunks]
+    if chunks.ddp_config.overlap_param_gather and chunks.ddp_config.align_param_gather:
+        cfg.param_sync_func = [c.start_param_sync for c in chunks]
 
 
 def _memory_hooks(args, core) -> None:
@@ -174,7 +200,12 @@ def _config_of(args) -> dict:
         bf16=args.bf16,
         params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
         sequence_parallel=args.sequence_parallel,
-        transformer_impl=args.transformer_impl,  # Megatron-LM passes it (FSDP2 wraps by it)
+        transformer_impl=args.transformer_impl,
+        virtual_pipeline_model_parallel_size=virtual_stages(args),
+        # Megatron-LM's default under the interleaved schedule: p2p ops one by one, overlapped; batched, a
+        # pipeline of 2 sends and receives between the same two ranks in one batch, which gloo can mismatch
+        overlap_p2p_comm=virtual_stages(args) is not None,
+        batch_p2p_comm=virtual_stages(args) is None,  # Megatron-LM passes it (FSDP2 wraps by it)
         **_recompute_of(args),
         **_memory_of(args),
     )

@@ -279,8 +279,8 @@ FLAG_HELP = {  # the help line of each flag that does not carry its own (Megatro
     "--overlap-param-gather": "all-gather the updated weights during the next forward (needs "
     "--use-distributed-optimizer and --overlap-grad-reduce)",
     "--grad-reduce-in-bf16": "reduce gradients in bf16 instead of fp32 (needs --bf16)",
-    "--num-layers-per-virtual-pipeline-stage": "interleaved pipeline: layers per virtual stage (the trainer "
-    "refuses it: run Megatron-LM's pretrain_gpt.py through megatron_patches, docs/memory.md)",
+    "--num-layers-per-virtual-pipeline-stage": "interleaved pipeline: layers per model chunk (a stage holds "
+    "two or more chunks; Megatron's interleaved schedule; no checkpoints yet)",
     "--num-experts": "MoE: experts per MoE layer (every layer; Megatron's SequentialMLP experts; GPU)",
     "--expert-model-parallel-size": "MoE: ranks the experts are split over (default: %(default)s)",
     "--moe-router-topk": "MoE: experts per token (default: %(default)s)",

@@ -14,7 +14,7 @@ import hashlib
 import math
 import re
 from functools import partial
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -102,6 +102,54 @@ def _model_device(model) -> torch.device:
     return next(model.parameters()).device
 
 
+class Chunks(list):
+    """A pipeline stage's model chunks under the interleaved schedule, each a DDP-wrapped GPTModel
+    (--num-layers-per-virtual-pipeline-stage): what the trainer asks of its model -- zero the
+    gradient buffers, train / eval, the parameters, the gradient buffers, the param sync -- asked of
+    each chunk.  Megatron's schedule and optimizer take the list itself."""
+
+    def zero_grad_buffer(self) -> None:
+        for chunk in self:
+            chunk.zero_grad_buffer()
+
+    def train(self, mode: bool = True) -> None:
+        for chunk in self:
+            chunk.train(mode)
+
+    def eval(self) -> None:
+        self.train(False)
+
+    def modules(self):
+        return (m for chunk in self for m in chunk.modules())
+
+    def parameters(self):
+        return (p for chunk in self for p in chunk.parameters())
+
+    def named_parameters(self):
+        return ((f"chunk{i}.{n}", p) for i, chunk in enumerate(self) for n, p in chunk.module.named_parameters())
+
+    @property
+    def buffers(self) -> list:
+        return [b for chunk in self for b in chunk.buffers]
+
+    @property
+    def expert_parallel_buffers(self) -> list:
+        return [b for chunk in self for b in chunk.expert_parallel_buffers]
+
+    @property
+    def ddp_config(self):
+        return self[0].ddp_config
+
+    def start_param_sync(self, force_sync: bool = False) -> None:
+        for chunk in self:
+            chunk.start_param_sync(force_sync=force_sync)
+
+
+def chunked(model):
+    """Megatron's list of model chunks: the stage's chunks, or the one model."""
+    return list(model) if isinstance(model, Chunks) else [model]
+
+
 def build_gpt(
     config,
     *,
@@ -112,17 +160,22 @@ def build_gpt(
     layer_spec=None,
     ddp_config=None,
     wrap_ddp: bool = True,
+    vp_stage: Optional[int] = None,
 ):
-    """Megatron's GPTModel for this pipeline stage (Ulysses core attention), in Megatron's DDP."""
+    """Megatron's GPTModel for this pipeline stage (Ulysses core attention), in Megatron's DDP;
+    ``vp_stage``: which of the stage's model chunks under the interleaved schedule (its layers, and
+    whether it holds the embedding or the output layer)."""
+    virtual = dict(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec if layer_spec is not None else get_ulysses_layer_spec(),
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
-        pre_process=ps.is_pipeline_first_stage(),
-        post_process=ps.is_pipeline_last_stage(),
+        pre_process=ps.is_pipeline_first_stage(**virtual),
+        post_process=ps.is_pipeline_last_stage(**virtual),
         share_embeddings_and_output_weights=share_embeddings_and_output_weights,
         position_embedding_type=position_embedding_type,
+        **({} if vp_stage is None else {"vp_stage": vp_stage}),
     )
     if config.bf16:  # as Megatron-LM's Float16Module: every weight in bf16, the torch norms' too (built in
         for p in model.parameters():  # fp32, each norm ran in fp32 and kept three fp32 [s, b, h] tensors)
@@ -137,7 +190,8 @@ def build_gpt(
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
         )
-    ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    # as Megatron-LM: buckets for the first chunk only (a later chunk's grads are reduced at the step's end)
+    ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model, disable_bucketing=bool(vp_stage))
     config.no_sync_func = ddp.no_sync
     if ddp_config.overlap_grad_reduce:  # as Megatron-LM's train(): the schedule starts each bucket's reduce
         config.grad_sync_func = ddp.start_grad_sync
@@ -192,6 +246,8 @@ def init_layout_independent(model, config, seed: int) -> int:
     (biases, norms) are already constants.  Megatron's own init draws from one stream per
     rank, so a pipeline stage's layers (and tp shards) depend on the layout; this does not.
     Call before the optimizer is built (it copies the weights).  Returns the count re-drawn."""
+    if isinstance(model, Chunks):  # each chunk's layers by their global numbers
+        return sum(init_layout_independent(chunk, config, seed) for chunk in model)
     core = model.module if hasattr(model, "module") else model
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     std = config.init_method_std
@@ -258,7 +314,7 @@ def build_optimizer(
         adam_eps=adam_eps,
         **offload,
     )
-    return get_megatron_optimizer(cfg, [model], use_gloo_process_groups=gloo)
+    return get_megatron_optimizer(cfg, chunked(model), use_gloo_process_groups=gloo)
 
 
 def model_forward(model, batch: Dict):
@@ -288,10 +344,11 @@ def forward_backward(
 ):
     """Megatron's schedule over already-sharded micro-batches; returns the loss reports."""
     fb = get_forward_backward_func()
+    chunks = chunked(model)  # the interleaved schedule: each chunk reads the micro-batches in order
     return fb(
         forward_step_func=_forward_step,
-        data_iterator=iter(microbatches),
-        model=[model],
+        data_iterator=[iter(microbatches) for _ in chunks] if len(chunks) > 1 else iter(microbatches),
+        model=chunks,
         num_microbatches=len(microbatches),
         seq_length=seq_length,
         micro_batch_size=micro_batch_size,
@@ -389,6 +446,8 @@ __all__ = [
     "training_device",
     "to_device",
     "build_gpt",
+    "Chunks",
+    "chunked",
     "init_layout_independent",
     "build_optimizer",
     "shard_fully",
