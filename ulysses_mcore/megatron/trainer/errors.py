@@ -39,14 +39,23 @@ class NonFiniteError(FloatingPointError):
 
 
 def gradient_buffers(model):
-    """The gradient storage: DDP's flat buffers when there are any, else each main_grad."""
+    """The gradient storage: DDP's flat buffers when there are any, else each parameter's gradient."""
     # DDP keeps its buffers in lists named buffers / expert_parallel_buffers (on a bare module,
     # "buffers" is nn.Module's method: not a list, so it is skipped)
     lists = [getattr(model, n, None) for n in ("buffers", "expert_parallel_buffers")]
     bufs = [
         b.grad_data for lst in lists if isinstance(lst, list) for b in lst if getattr(b, "grad_data", None) is not None
     ]
-    return bufs or [p.main_grad for p in _core(model).parameters() if getattr(p, "main_grad", None) is not None]
+    grads = (_local_grad(p) for p in _core(model).parameters())
+    return bufs or [g for g in grads if g is not None]
+
+
+def _local_grad(p):
+    """A parameter's gradient as this rank holds it: Megatron's main_grad, else its grad (FSDP2's
+    shard of it, a DTensor, as the local tensor)."""
+    g = getattr(p, "main_grad", None)
+    g = p.grad if g is None else g
+    return g.to_local() if hasattr(g, "to_local") else g
 
 
 def _core(model):
