@@ -129,10 +129,13 @@ def _params(c: _Shape) -> float:
 
 def _states(c: _Shape, params: float):
     """(weights, gradients, optimizer) bytes: grads fp32 (DDP buffer), Adam m, v (+ fp32 master under bf16)."""
-    opt = params * (12 if c.bf16 else 8)
-    if c.distributed_optimizer:
-        opt /= c.dp * c.ulysses * c.cp
+    opt = params * (12 if c.bf16 else 8) / _optimizer_shards(c)
     return params * (2 if c.bf16 else 4), params * 4, opt
+
+
+def _optimizer_shards(c: _Shape) -> int:
+    """The ranks Adam's state is split over: dp x ulysses x cp with the distributed optimizer."""
+    return c.dp * c.ulysses * c.cp if c.distributed_optimizer else 1
 
 
 def _offloaded(c: _Shape, params: float, opt: float):
@@ -141,8 +144,7 @@ def _offloaded(c: _Shape, params: float, opt: float):
     on the host (16 bytes a parameter of its shard, as the dry run measures), none on the device."""
     if not c.optimizer_offload:
         return 0.0, opt
-    shard = params / (c.dp * c.ulysses * c.cp) if c.distributed_optimizer else params
-    return 16 * shard, 0.0
+    return 16 * params / _optimizer_shards(c), 0.0
 
 
 def _activations(c: _Shape) -> float:

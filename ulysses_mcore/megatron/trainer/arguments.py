@@ -128,7 +128,6 @@ def check_ranges(args) -> None:
     parse_split(args.split)
 
 
-# a CPU run: no CUDA, and not the dry run (its fake CUDA sizes what a GPU runs)
 def _virtual_problem(a, t) -> str:
     """Why the interleaved schedule cannot run these flags ("" if it can); ``t``: the layout."""
     pp, per = a.pipeline_model_parallel_size, a.num_layers_per_virtual_pipeline_stage
@@ -169,6 +168,7 @@ def _fsdp2_conflict(a) -> str:
     return next((why for name, broken, why in _FSDP2_RULES if broken(getattr(a, name))), "")
 
 
+# a CPU run: no CUDA, and not the dry run (its fake CUDA sizes what a GPU runs)
 _cpu = lambda a: not torch.cuda.is_available() and not getattr(a, "fake_cuda", False)  # noqa: E731
 # Megatron-LM's memory features (docs/memory.md): each rule as Megatron-LM states it, then each feature that
 # cannot run here, refused by name with the reason before any process group starts

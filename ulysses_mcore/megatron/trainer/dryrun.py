@@ -38,6 +38,7 @@ from ulysses_mcore.megatron.layer.batch import make_lm_batch, shard_batch
 from ulysses_mcore.megatron.layer.groups import destroy, initialize
 from ulysses_mcore.megatron.trainer.arguments import validate
 from ulysses_mcore.megatron.trainer.dynamic import DynamicGroups
+from ulysses_mcore.megatron.trainer.errors import gradient_buffers
 from ulysses_mcore.megatron.trainer.model import build_model, optimizer_of
 from ulysses_mcore.megatron.trainer.training import model_forward, to_device
 from ulysses_mcore.planning import step_time
@@ -164,9 +165,9 @@ def plan_estimate(args, topo) -> dict:
 
 
 def _gradient_bytes(model) -> int:
-    """DDP's gradient buffers (one storage each; a buffer shared with the parameters counts once)."""
-    storages = {b.grad_data.untyped_storage() for b in model.buffers + model.expert_parallel_buffers}
-    return sum(st.nbytes() for st in storages)
+    """DDP's gradient buffers (``errors.gradient_buffers``; a storage shared with the parameters
+    counts once)."""
+    return sum(st.nbytes() for st in {g.untyped_storage() for g in gradient_buffers(model)})
 
 
 def _torch_optimizers(optimizer) -> list:

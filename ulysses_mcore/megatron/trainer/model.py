@@ -182,6 +182,7 @@ def _memory_of(args) -> dict:
 def _config_of(args) -> dict:
     """Megatron TransformerConfig keywords of the flags."""
     ffn = ModelShape.from_args(args, vocab_size=padded_vocab(args)).ffn_hidden_size  # Megatron-LM's default
+    stages = virtual_stages(args)
     return dict(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
@@ -200,12 +201,12 @@ def _config_of(args) -> dict:
         bf16=args.bf16,
         params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
         sequence_parallel=args.sequence_parallel,
-        transformer_impl=args.transformer_impl,
-        virtual_pipeline_model_parallel_size=virtual_stages(args),
+        transformer_impl=args.transformer_impl,  # Megatron-LM passes it (FSDP2 wraps by it)
+        virtual_pipeline_model_parallel_size=stages,
         # Megatron-LM's default under the interleaved schedule: p2p ops one by one, overlapped; batched, a
         # pipeline of 2 sends and receives between the same two ranks in one batch, which gloo can mismatch
-        overlap_p2p_comm=virtual_stages(args) is not None,
-        batch_p2p_comm=virtual_stages(args) is None,  # Megatron-LM passes it (FSDP2 wraps by it)
+        overlap_p2p_comm=stages is not None,
+        batch_p2p_comm=stages is None,
         **_recompute_of(args),
         **_memory_of(args),
     )
