@@ -141,10 +141,6 @@ REFUSED = [  # (flags, the words the refusal must hold): before any process grou
     (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2"], "make one chunk"),
     (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"], "pass a divisor"),
     (
-        ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1", "--save", "ck"],
-        "drop --save/--load",
-    ),
-    (
         [
             "--pipeline-model-parallel-size",
             "2",

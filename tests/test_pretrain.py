@@ -260,14 +260,22 @@ def test_same_initial_model_for_every_layout(runs, tmp_path):
 def test_interleaved_pipeline_with_ulysses_gives_the_losses_without(tmp_path):
     """The interleaved schedule (4 layers, pp 2, chunks of 1 layer: 2 model chunks a stage) on 4
     ranks: ulysses 2 gives the losses of dp 2 on the same ranks (1e-5), and both those of the plain
-    pipeline (one chunk a stage)."""
+    pipeline (one chunk a stage).  Its checkpoint of iteration 3 (Megatron-LM's ``model0``,
+    ``model1`` entries) resumes the curve at dp 2 in chunks and in the plain pipeline (1e-5)."""
     vpp = ["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--global-batch-size", "8"]
+    chunks = [*vpp, "--num-layers-per-virtual-pipeline-stage", "1"]
+    ckpt = str(tmp_path / "ckpt")
     out = {}
     for name, extra in [
-        ("vpp u2", [*vpp, "--num-layers-per-virtual-pipeline-stage", "1", "--ulysses-degree", "2"]),
-        ("vpp dp2", [*vpp, "--num-layers-per-virtual-pipeline-stage", "1"]),
+        ("vpp u2", [*chunks, "--ulysses-degree", "2", "--save", ckpt, "--save-interval", "3"]),
+        ("vpp dp2", chunks),
         ("pp dp2", vpp),
+        ("vpp dp2 resumed", [*chunks, "--load", ckpt]),
+        ("pp dp2 resumed", [*vpp, "--load", ckpt]),
     ]:
+        if name.endswith("resumed"):
+            with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
+                f.write("3")
         d = tmp_path / name.replace(" ", "_")
         d.mkdir()
         r = launch(4, COMMON + extra, d)
@@ -277,6 +285,10 @@ def test_interleaved_pipeline_with_ulysses_gives_the_losses_without(tmp_path):
     for it, want in out["vpp dp2"].items():
         assert close(out["vpp u2"][it], want, rtol=1e-5), (it, out["vpp u2"][it], want)
         assert close(want, out["pp dp2"][it], rtol=1e-5), (it, want, out["pp dp2"][it])
+    for name in ("vpp dp2 resumed", "pp dp2 resumed"):
+        assert sorted(out[name]) == [4, 5, 6], name
+        for it, got in out[name].items():
+            assert close(got, out["vpp u2"][it], rtol=1e-5), (name, it, got, out["vpp u2"][it])
 
 
 MEGATRON_LM_FAMILY = [

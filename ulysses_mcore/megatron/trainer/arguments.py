@@ -137,7 +137,6 @@ def _virtual_problem(a, t) -> str:
         (pp < 2, "the interleaved schedule needs --pipeline-model-parallel-size 2 or more"),
         (per < 1 or stage % per, f"a stage's {stage} layers must split into chunks of this many: pass a divisor"),
         (per >= 1 and stage // per < 2, f"a stage's {stage} layers make one chunk: pass at most {stage // 2}"),
-        (a.save or a.load, "this trainer's checkpoints hold one model chunk per stage (not yet): drop --save/--load"),
         (micro % pp, f"the interleaved schedule runs micro-batches in groups of --pipeline-model-parallel-size "
          f"{pp}; a step has {micro} a rank: make --global-batch-size a multiple of {pp} x micro-batch x dp"),
     )  # fmt: skip

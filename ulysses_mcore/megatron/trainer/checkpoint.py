@@ -31,6 +31,7 @@ from megatron.core import dist_checkpointing
 
 from ulysses_mcore.devtools.lifetime import children_die_with_this_process, die_with_parent
 from ulysses_mcore.megatron.trainer.errors import is_collective_failure
+from ulysses_mcore.megatron.trainer.training import chunked
 
 MANIFEST = "ulysses_manifest.json"
 TRAIN_STATE = "train_state.pt"
@@ -247,14 +248,29 @@ def writer_helpers_die_with_this_rank() -> None:
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable", "singleton_local_shards": False}
 
 
+def model_keys(model) -> dict:
+    """Megatron-LM's model entries of a checkpoint: ``model`` for one model, ``model0``,
+    ``model1``, ... for a stage's chunks (each holds its layers by their global numbers, so a
+    checkpoint loads into any chunking of the stages): key -> the GPTModel."""
+    chunks = chunked(model)
+    if len(chunks) == 1:
+        return {"model": chunks[0].module}
+    return {f"model{i}": chunk.module for i, chunk in enumerate(chunks)}
+
+
+def sharded_model_state(model) -> dict:
+    """The sharded state of every model entry (:func:`model_keys`)."""
+    return {key: core.sharded_state_dict() for key, core in model_keys(model).items()}
+
+
 def _write_state(tmp, iteration, *, model, optimizer, scheduler, consumed_samples, args):
     """The sharded model and optimizer (every rank) and the train state (rank 0) into ``tmp``:
     this rank's error, or None (a failed collective is raised: it is not a save failure)."""
     writer_helpers_die_with_this_rank()
     try:
-        model_sd = model.module.sharded_state_dict()
+        model_sd = sharded_model_state(model)
         opt_sd = optimizer.sharded_state_dict(model_sd, metadata=OPTIMIZER_METADATA)
-        dist_checkpointing.save({"model": model_sd, "optimizer": opt_sd}, tmp)
+        dist_checkpointing.save({**model_sd, "optimizer": opt_sd}, tmp)
         if dist.get_rank() == 0:
             torch.save(
                 {

@@ -33,7 +33,9 @@ from ulysses_mcore.megatron.trainer.checkpoint import (
     gather,
     iter_dir,
     latest_file,
+    model_keys,
     schedule_from_flags,
+    sharded_model_state,
 )
 
 
@@ -154,7 +156,8 @@ def inspect_checkpoint(args):
 
 def _check_optimizer(load, saved, args) -> None:
     """The optimizer state's format: the distributed optimizer's is saved per tensor x pipeline shard
-    (Megatron's ``dp_reshardable``: the data-parallel x Ulysses x ring ranks may change, tp and pp not)."""
+    and model chunk (Megatron's ``dp_reshardable``: the data-parallel x Ulysses x ring ranks may
+    change, tp, pp and the chunking not)."""
     was = bool(saved.get("use_distributed_optimizer", False))
     if "use_distributed_optimizer" in saved and was != args.use_distributed_optimizer:
         raise CheckpointError(
@@ -164,14 +167,14 @@ def _check_optimizer(load, saved, args) -> None:
         )
     moved = [
         f"{flag_of(k)} {saved[k]} (checkpoint) vs {getattr(args, k)} (now)"
-        for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size")
+        for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage")
         if was and k in saved and saved[k] != getattr(args, k)
     ]
     if moved:
         raise CheckpointError(
             f"--load {load}: the distributed optimizer's state is saved per tensor x pipeline shard: "
             + "; ".join(moved)
-            + ". Resume at the checkpoint's tp and pp (--ulysses-degree, --context-parallel-size and the "
+            + ". Resume at the checkpoint's tp, pp and chunks (--ulysses-degree, --context-parallel-size and the "
             "data-parallel size may change)"
         )
 
@@ -265,11 +268,12 @@ def _restore_adam_steps(optimizer) -> None:
 
 def load_checkpoint(ckpt, extra, model, optimizer, scheduler):
     """Load an inspected checkpoint into the model, optimizer and scheduler: (iteration, consumed samples)."""
-    model_sd = model.module.sharded_state_dict()
+    model_sd = sharded_model_state(model)
     _allocate_adam_state(optimizer)
     opt_sd = optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=OPTIMIZER_METADATA)  # Adam's moments
-    state = dist_checkpointing.load({"model": model_sd, "optimizer": opt_sd}, ckpt)
-    model.module.load_state_dict(state["model"])
+    state = dist_checkpointing.load({**model_sd, "optimizer": opt_sd}, ckpt)
+    for key, core in model_keys(model).items():
+        core.load_state_dict(state[key])
     with torch.no_grad():  # fp32 weights: the distributed optimizer's main params are views of them
         optimizer.load_state_dict(state["optimizer"])
     _restore_adam_steps(optimizer)
