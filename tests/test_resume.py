@@ -75,3 +75,49 @@ def test_a_checkpoint_without_manifest_or_metadata_is_refused(tmp_path):
     assert run_threaded(1, lambda r, w: _check_files(str(tmp_path)))[0] == [
         f"{tmp_path}/.metadata: missing (not a complete torch_dist checkpoint)"
     ]
+
+
+def _flags(**over):
+    from types import SimpleNamespace
+
+    base = dict(
+        use_torch_fsdp2=False,
+        bf16=False,
+        use_distributed_optimizer=False,
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        num_layers_per_virtual_pipeline_stage=None,
+    )
+    return SimpleNamespace(**(base | over))
+
+
+LAYOUT_CHANGES = [  # (saved flags, this run's flags, the refusal's words; None: it resumes)
+    ({}, {"ulysses_degree": 2}, None),
+    ({"use_torch_fsdp2": True}, {"use_torch_fsdp2": True}, None),
+    ({"use_torch_fsdp2": True}, {}, "saved with --use-torch-fsdp2 without --bf16"),
+    ({}, {"use_torch_fsdp2": True}, "saved without --use-torch-fsdp2 (Megatron's DDP layout); this run is with"),
+    ({"use_torch_fsdp2": True, "bf16": True}, {"use_torch_fsdp2": True}, "with --use-torch-fsdp2 and --bf16"),
+    ({"use_distributed_optimizer": True}, {}, "saved with --use-distributed-optimizer: resume with it"),
+    (
+        {"use_distributed_optimizer": True, "num_layers_per_virtual_pipeline_stage": 1},
+        {"use_distributed_optimizer": True},
+        "--num-layers-per-virtual-pipeline-stage 1 (checkpoint) vs None (now)",
+    ),
+    ({"num_layers_per_virtual_pipeline_stage": 1}, {"pipeline_model_parallel_size": 1}, None),
+]
+
+
+@pytest.mark.parametrize("saved,now,needle", LAYOUT_CHANGES)
+def test_optimizer_layout_changes_resume_or_are_refused_by_name(saved, now, needle):
+    """What a resume may change: the degrees of the data-parallel x Ulysses ranks, and the chunking
+    without the distributed optimizer; FSDP2's format and precision, and the distributed optimizer's
+    tp / pp / chunking, not."""
+    from ulysses_mcore.megatron.trainer.resume import _check_optimizer
+
+    args = _flags(**now)
+    if needle is None:
+        _check_optimizer("ck", vars(_flags(**saved)), args)
+        return
+    with pytest.raises(CheckpointError, match="--load ck: ") as e:
+        _check_optimizer("ck", vars(_flags(**saved)), args)
+    assert needle in str(e.value), str(e.value)

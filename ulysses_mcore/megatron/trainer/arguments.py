@@ -156,9 +156,6 @@ _FSDP2_RULES = (  # Megatron-LM's rules for --use-torch-fsdp2: (flag, broken whe
     ("overlap_grad_reduce", bool, "--overlap-grad-reduce: DDP's buckets; FSDP2 overlaps its own reduce-scatter"),
     ("untie_embeddings_and_output_weights", lambda v: not v, "tied embeddings: add "
      "--untie-embeddings-and-output-weights (Megatron-LM's rule)"),
-    ("save", bool, "--save: this trainer's checkpoints hold Megatron's DDP layout, not FSDP2's sharded weights "
-     "and optimizer (not yet); train without --save, or save from Megatron's DDP"),
-    ("load", bool, "--load: this trainer's checkpoints hold Megatron's DDP layout, not FSDP2's (not yet)"),
 )  # fmt: skip
 
 

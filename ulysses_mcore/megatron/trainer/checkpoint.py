@@ -1,7 +1,8 @@
 """Checkpoints of the trainer: Megatron-Core's dist_checkpointing, saved atomically, checked on load.
 
-Layout (Megatron-LM's): ``DIR/iter_0000042/`` (dist_checkpointing's torch_dist files, plus
-``train_state.pt``: iteration, consumed samples, scheduler, flags) and
+Layout (Megatron-LM's): ``DIR/iter_0000042/`` (dist_checkpointing's torch_dist files -- under
+``--use-torch-fsdp2`` torch.distributed.checkpoint's files of the sharded weights and optimizer,
+Megatron-LM's torch_dcp -- plus ``train_state.pt``: iteration, consumed samples, scheduler, flags) and
 ``DIR/latest_checkpointed_iteration.txt``.  Added here: ``ulysses_manifest.json`` in each
 checkpoint, every file's size and CRC-32, written at save time (the ranks share the hashing).
 
@@ -27,7 +28,9 @@ from typing import List, Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from megatron.core import dist_checkpointing
+from megatron.core.distributed import TorchFullyShardedDataParallel
 
 from ulysses_mcore.devtools.lifetime import children_die_with_this_process, die_with_parent
 from ulysses_mcore.megatron.trainer.errors import is_collective_failure
@@ -263,14 +266,28 @@ def sharded_model_state(model) -> dict:
     return {key: core.sharded_state_dict() for key, core in model_keys(model).items()}
 
 
+def fully_sharded(model) -> bool:
+    """A model in FSDP2's wrapper: its checkpoint is torch.distributed.checkpoint's (Megatron-LM's
+    ``torch_dcp``) of the weights' and the optimizer's DTensor shards, reshardable over the ranks."""
+    return isinstance(model, TorchFullyShardedDataParallel)
+
+
+def _save_tensors(tmp, model, optimizer) -> None:
+    """The model and optimizer, each rank its shards: Megatron's torch_dist, or DCP under FSDP2."""
+    if fully_sharded(model):
+        dcp.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict()}, checkpoint_id=tmp)
+        return
+    model_sd = sharded_model_state(model)
+    opt_sd = optimizer.sharded_state_dict(model_sd, metadata=OPTIMIZER_METADATA)
+    dist_checkpointing.save({**model_sd, "optimizer": opt_sd}, tmp)
+
+
 def _write_state(tmp, iteration, *, model, optimizer, scheduler, consumed_samples, args):
     """The sharded model and optimizer (every rank) and the train state (rank 0) into ``tmp``:
     this rank's error, or None (a failed collective is raised: it is not a save failure)."""
     writer_helpers_die_with_this_rank()
     try:
-        model_sd = sharded_model_state(model)
-        opt_sd = optimizer.sharded_state_dict(model_sd, metadata=OPTIMIZER_METADATA)
-        dist_checkpointing.save({**model_sd, "optimizer": opt_sd}, tmp)
+        _save_tensors(tmp, model, optimizer)
         if dist.get_rank() == 0:
             torch.save(
                 {

@@ -16,7 +16,9 @@ from typing import List
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from megatron.core import dist_checkpointing
+from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from torch.distributed.checkpoint import FileSystemReader
 
@@ -30,6 +32,7 @@ from ulysses_mcore.megatron.trainer.checkpoint import (
     crc32,
     first_line,
     flag_of,
+    fully_sharded,
     gather,
     iter_dir,
     latest_file,
@@ -154,10 +157,24 @@ def inspect_checkpoint(args):
     return ckpt, extra, note
 
 
+def _layout_of(flags: dict) -> str:
+    """How a run's checkpoint holds its weights and optimizer: FSDP2's (with its precision) or DDP's."""
+    if not flags.get("use_torch_fsdp2"):
+        return "without --use-torch-fsdp2 (Megatron's DDP layout)"
+    bf16 = "and" if flags.get("bf16") else "without"
+    return f"with --use-torch-fsdp2 {bf16} --bf16 (FSDP2's shards in torch.distributed.checkpoint's format)"
+
+
 def _check_optimizer(load, saved, args) -> None:
-    """The optimizer state's format: the distributed optimizer's is saved per tensor x pipeline shard
-    and model chunk (Megatron's ``dp_reshardable``: the data-parallel x Ulysses x ring ranks may
-    change, tp, pp and the chunking not)."""
+    """The optimizer state's format: FSDP2's or Megatron's DDP's (:func:`_layout_of`); the
+    distributed optimizer's is saved per tensor x pipeline shard and model chunk (Megatron's
+    ``dp_reshardable``: the data-parallel x Ulysses x ring ranks may change, tp, pp and the
+    chunking not)."""
+    if _layout_of(saved) != _layout_of(vars(args)):
+        raise CheckpointError(
+            f"--load {load}: the checkpoint was saved {_layout_of(saved)}; this run is "
+            f"{_layout_of(vars(args))}: resume with the checkpoint's flags"
+        )
     was = bool(saved.get("use_distributed_optimizer", False))
     if "use_distributed_optimizer" in saved and was != args.use_distributed_optimizer:
         raise CheckpointError(
@@ -232,18 +249,20 @@ def _check_schedule(load, sched, saved, args):
     )
 
 
-def _torch_adams(optimizer) -> list:
-    """The torch Adams inside Megatron's distributed optimizer(s) (none with apex's or TE's fused Adam)."""
+def _torch_adams(optimizer, wrappers=(DistributedOptimizer,)) -> list:
+    """The torch Adams inside Megatron's optimizer(s) of the kinds ``wrappers`` (none with apex's or
+    TE's fused Adam)."""
     chain = getattr(optimizer, "chained_optimizers", [optimizer])
-    inners = [getattr(opt, "optimizer", None) for opt in chain if isinstance(opt, DistributedOptimizer)]
+    inners = [getattr(opt, "optimizer", None) for opt in chain if isinstance(opt, wrappers)]
     return [inner for inner in inners if isinstance(inner, torch.optim.Adam)]
 
 
-def _allocate_adam_state(optimizer) -> None:
+def _allocate_adam_state(optimizer, wrappers=(DistributedOptimizer,)) -> None:
     """Adam's state (zero moments, step 0) on each parameter of a torch Adam that has taken no step, to
     be overwritten by the load: Megatron's distributed optimizer reads the step from that state when
-    neither apex nor Transformer Engine provides its fused Adam (the CPU, megatron-core 0.16 and 0.19)."""
-    for inner in _torch_adams(optimizer):
+    neither apex nor Transformer Engine provides its fused Adam (the CPU, megatron-core 0.16 and 0.19),
+    and torch.distributed.checkpoint loads into the tensors it is given (FSDP2: each a DTensor shard)."""
+    for inner in _torch_adams(optimizer, wrappers):
         if inner.state:
             continue
         for group in inner.param_groups:
@@ -266,8 +285,17 @@ def _restore_adam_steps(optimizer) -> None:
                     inner.state[p]["step"] = torch.tensor(float(group["step"]), device="cpu")
 
 
-def load_checkpoint(ckpt, extra, model, optimizer, scheduler):
-    """Load an inspected checkpoint into the model, optimizer and scheduler: (iteration, consumed samples)."""
+def _load_fully_sharded(ckpt, model, optimizer) -> None:
+    """FSDP2's checkpoint (torch.distributed.checkpoint) into the weights' and Adam's shards in place."""
+    _allocate_adam_state(optimizer, wrappers=(MegatronOptimizer,))
+    state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict()}
+    dcp.load(state, checkpoint_id=ckpt)
+    model.module.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+
+
+def _load_sharded(ckpt, model, optimizer) -> None:
+    """Megatron's torch_dist checkpoint into every model entry and the optimizer."""
     model_sd = sharded_model_state(model)
     _allocate_adam_state(optimizer)
     opt_sd = optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=OPTIMIZER_METADATA)  # Adam's moments
@@ -277,5 +305,10 @@ def load_checkpoint(ckpt, extra, model, optimizer, scheduler):
     with torch.no_grad():  # fp32 weights: the distributed optimizer's main params are views of them
         optimizer.load_state_dict(state["optimizer"])
     _restore_adam_steps(optimizer)
+
+
+def load_checkpoint(ckpt, extra, model, optimizer, scheduler):
+    """Load an inspected checkpoint into the model, optimizer and scheduler: (iteration, consumed samples)."""
+    (_load_fully_sharded if fully_sharded(model) else _load_sharded)(ckpt, model, optimizer)
     scheduler.load_state_dict(extra["scheduler"])
     return extra["iteration"], extra["consumed_samples"]
