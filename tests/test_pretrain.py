@@ -259,8 +259,9 @@ def test_same_initial_model_for_every_layout(runs, tmp_path):
 
 def test_interleaved_pipeline_with_ulysses_gives_the_losses_without(tmp_path):
     """The interleaved schedule (4 layers, pp 2, chunks of 1 layer: 2 model chunks a stage) on 4
-    ranks: ulysses 2 gives the losses of dp 2 on the same ranks (1e-5), and both those of the plain
-    pipeline (one chunk a stage).  Its checkpoint of iteration 3 (Megatron-LM's ``model0``,
+    ranks: ulysses 2 gives the losses of dp 2 on the same ranks (1e-5; dp 2 with its chunks' layer
+    inputs in host memory, counted in one record a stage), and both those of the plain pipeline
+    (one chunk a stage).  Its checkpoint of iteration 3 (Megatron-LM's ``model0``,
     ``model1`` entries) resumes the curve at dp 2 in chunks and in the plain pipeline (1e-5)."""
     vpp = ["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--global-batch-size", "8"]
     chunks = [*vpp, "--num-layers-per-virtual-pipeline-stage", "1"]
@@ -268,7 +269,7 @@ def test_interleaved_pipeline_with_ulysses_gives_the_losses_without(tmp_path):
     out = {}
     for name, extra in [
         ("vpp u2", [*chunks, "--ulysses-degree", "2", "--save", ckpt, "--save-interval", "3"]),
-        ("vpp dp2", chunks),
+        ("vpp dp2", [*chunks, "--recompute-granularity", "full", "--offload-activation-checkpoints"]),
         ("pp dp2", vpp),
         ("vpp dp2 resumed", [*chunks, "--load", ckpt]),
         ("pp dp2 resumed", [*vpp, "--load", ckpt]),
@@ -281,7 +282,11 @@ def test_interleaved_pipeline_with_ulysses_gives_the_losses_without(tmp_path):
         r = launch(4, COMMON + extra, d)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         out[name] = losses(d)
+        out[name, "stdout"] = r.stdout
     assert sorted(out["vpp u2"]) == list(range(1, 7))
+    report = [ln for ln in out["vpp dp2", "stdout"].splitlines() if "activation checkpoints in host memory" in ln]
+    # 6 iterations x 2 micro-batches a rank x 2 chunks of 1 layer: each chunk's layer input at least
+    assert report and int(report[0].split(": ")[1].split()[0]) >= 6 * 2 * 2, report
     for it, want in out["vpp dp2"].items():
         assert close(out["vpp u2"][it], want, rtol=1e-5), (it, out["vpp u2"][it], want)
         assert close(want, out["pp dp2"][it], rtol=1e-5), (it, want, out["pp dp2"][it])

@@ -129,16 +129,19 @@ def checkpoint_min_bytes(seq_length: int, micro_batch_size: int, hidden_size: in
     return max(1, seq_length // shards * micro_batch_size * hidden_size * (2 if bf16 else 4) // 2)
 
 
-def enable_activation_offload(model, *, min_bytes: int = 1 << 20, copy_host: Optional[bool] = None) -> dict:
+def enable_activation_offload(
+    model, *, min_bytes: int = 1 << 20, copy_host: Optional[bool] = None, stats: Optional[dict] = None
+) -> dict:
     """Run ``model``'s forward (a built Megatron-Core ``GPTModel``) under :class:`HostOffload`, one
     chain per forward; returns the stats record the hooks keep (``host_bytes``, ``peak_host_bytes``,
     ``tensors``).  ``copy_host`` (default: when there is no GPU) makes a CPU run copy host to host
-    through the same bookkeeping, so it checks the offload exactly.  Idempotent."""
+    through the same bookkeeping, so it checks the offload exactly.  ``stats``: another model's
+    record to count in (a pipeline stage's chunks: one host peak).  Idempotent."""
     if getattr(model, "_offload_stats", None) is not None:
         return model._offload_stats
     if copy_host is None:
         copy_host = not torch.cuda.is_available()
-    stats = _new_stats()
+    stats = stats if stats is not None else _new_stats()
     forward = model.forward
 
     @functools.wraps(forward)

@@ -72,7 +72,7 @@ def train(args, topo, run):
 
 def _report_offload(model) -> None:
     """--offload-activation-checkpoints: what went to host memory over the run (rank 0's)."""
-    stats = getattr(getattr(model, "module", model), "_offload_stats", None)
+    stats = getattr(training.chunked(model)[0].module, "_offload_stats", None)  # the chunks share one
     if stats is not None and dist.get_rank() == 0:
         print(
             f"[ulysses-mcore] activation checkpoints in host memory: {stats['tensors']} tensors moved, peak "

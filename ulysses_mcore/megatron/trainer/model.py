@@ -102,8 +102,9 @@ def build_model(args, *, vocab_size=None, wrap_ddp: bool = True, **config):
         _memory_hooks(args, model.module if wrap_ddp else model)
         return model, cfg
     chunks = training.Chunks(build(vp_stage=i) for i in range(stages))
+    offloaded = None  # the stage's one record of its chunks' host memory
     for chunk in chunks:
-        _memory_hooks(args, chunk.module)
+        offloaded = _memory_hooks(args, chunk.module, offloaded)
     _chunk_sync_funcs(cfg, chunks)
     return chunks, cfg
 
@@ -124,15 +125,17 @@ def _chunk_sync_funcs(cfg, chunks) -> None:
         cfg.param_sync_func = [c.start_param_sync for c in chunks]
 
 
-def _memory_hooks(args, core) -> None:
-    """The chunked loss and the activation offload on the built GPTModel, when their flags ask."""
+def _memory_hooks(args, core, offloaded=None):
+    """The chunked loss and the activation offload on the built GPTModel, when their flags ask: the
+    offload's stats record (``offloaded``: one to count in), or None."""
     if args.loss_chunk_tokens:
         enable_chunked_loss(core, args.loss_chunk_tokens)
     if args.offload_activation_checkpoints:
         sp = args.tensor_model_parallel_size if args.sequence_parallel else 1
         shards = args.ulysses_degree * args.context_parallel_size * sp
         least = checkpoint_min_bytes(args.seq_length, args.micro_batch_size, args.hidden_size, shards, args.bf16)
-        enable_activation_offload(core, min_bytes=least)
+        return enable_activation_offload(core, min_bytes=least, stats=offloaded)
+    return None
 
 
 def ddp_config_of(args) -> DistributedDataParallelConfig:
