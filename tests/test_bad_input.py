@@ -138,9 +138,9 @@ def test_no_data_collective_before_the_error():
 
 
 def test_find_problem_is_pure_and_accepts_good_input():
-    from ulysses_mcore.options import CallSite, attention_options
+    from ulysses_mcore.options import call_site
 
-    site = CallSite(attention_options(True))
+    site = call_site(True)
 
     def record(kw):
         return validation.call_record((kw["query"], kw["key"], kw["value"]), site, sizes=(2, 1))

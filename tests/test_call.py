@@ -1,21 +1,22 @@
 """ulysses_mcore.call: a signature is validated and prepared once, then reused; the cache key
 sees every input the verdict depends on."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from tests.helpers import count_collectives, reference_attention, run_threaded
 from ulysses_mcore.call import CallCache, call_key, lse_columns
-from ulysses_mcore.options import NO_TENSORS, CallSite, CallTensors, attention_options
+from ulysses_mcore.options import NO_TENSORS, CallTensors, call_site
 
-OPTS = attention_options(True)
-SITE = CallSite(OPTS)
+OPTS = SITE = call_site(True)
 
 
 def whole_world(opts=OPTS, **kw):
     """A call site over the whole world (threads)."""
-    return CallSite(opts, group=dist.group.WORLD, **kw)
+    return replace(opts, group=dist.group.WORLD, **kw)
 
 
 def test_key_sees_shapes_dtypes_grads_options_groups():
@@ -26,10 +27,10 @@ def test_key_sees_shapes_dtypes_grads_options_groups():
         call_key((q[:2], q[:2], q[:2]), SITE),
         call_key((q.double(), q, q), SITE),
         call_key((q.clone().requires_grad_(), q, q), SITE),
-        call_key((q, q, q), CallSite(attention_options(False))),
-        call_key((q, q, q), CallSite(OPTS, group=object())),
-        call_key((q, q, q), CallSite(OPTS, first_head=2)),
-        call_key((q, q, q), CallSite(OPTS, checks=(("expected_heads", (2, 2)),))),
+        call_key((q, q, q), call_site(False)),
+        call_key((q, q, q), replace(OPTS, group=object())),
+        call_key((q, q, q), replace(OPTS, first_head=2)),
+        call_key((q, q, q), replace(OPTS, checks=(("expected_heads", (2, 2)),))),
         call_key((q, q, q), SITE, CallTensors(attention_mask=torch.zeros(1, 1, 4, 4, dtype=torch.bool))),
         call_key((q, q, q), SITE, CallTensors(qkv_format="thd")),
     ]
@@ -100,7 +101,7 @@ def test_cache_is_bounded_in_entries_and_bytes_and_stays_exact():
     the cache never holds more than its bounds, and every call is still exact."""
     from ulysses_mcore.call import held_bytes
 
-    opts = attention_options(True, token_order="load_balanced")
+    opts = call_site(True, token_order="load_balanced")
 
     def full(i):
         g = torch.Generator().manual_seed(i)
@@ -134,9 +135,9 @@ def test_cache_key_digest_is_the_same_in_every_process_for_the_same_call():
     from ulysses_mcore.call import digest
 
     q = torch.randn(4, 1, 2, 8)
-    site = CallSite(OPTS, checks=(("expected_heads", (2, 2)),))
+    site = replace(OPTS, checks=(("expected_heads", (2, 2)),))
     k1 = call_key((q, q, q), site)
-    k2 = call_key((q.clone(), q, q), CallSite(OPTS, checks=(("expected_heads", (2, 2)),)))
+    k2 = call_key((q.clone(), q, q), replace(OPTS, checks=(("expected_heads", (2, 2)),)))
     k3 = call_key((q[:2], q[:2], q[:2]), site)
     assert digest(k1) == digest(k2) != digest(k3)
     assert 0 <= digest(k1) < 1 << 62
@@ -204,7 +205,7 @@ def test_every_call_refuses_boundaries_that_differ_between_ranks_on_a_later_micr
     """Packed documents: the same signature, cu_seqlens [0, 10, 32] on one rank and [0, 20, 32] on the
     other after an agreeing first batch -- the same ValueError on both (the default check trusts later
     boundaries; every_call agrees on them: a device-side digest in the same all-reduce)."""
-    thd = attention_options(causal=True, layout="thd")
+    thd = call_site(causal=True, layout="thd")
 
     def fn(rank, world):
         cache = CallCache()

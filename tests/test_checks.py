@@ -4,13 +4,13 @@ first problem in table order wins, and a check never raises (its problem is retu
 import torch
 
 from ulysses_mcore.validation.checks import LOCAL_CHECKS, UNREAD, CallView, int_list, local_problem
-from ulysses_mcore.options import NO_TENSORS, CallSite, CallTensors, attention_options
+from ulysses_mcore.options import NO_TENSORS, CallTensors, call_site
 
 
 def view(q, k=None, v=None, tensors=NO_TENSORS, sizes=(2, 1), **options):
     k = q if k is None else k
     v = q if v is None else v
-    site = CallSite(attention_options(options.pop("causal", True), **options), checks=(("expected_heads", (4, 4)),))
+    site = call_site(options.pop("causal", True), **options, checks=(("expected_heads", (4, 4)),))
     return CallView((q, k, v), site, tensors, sizes)
 
 

@@ -276,7 +276,7 @@ def test_max_seqlen_from_packed_seq_params_reaches_the_kernel():
     """Megatron's host ``max_seqlen_q`` is handed to the kernel (so flash / TE never read it off
     the device), and the call reads nothing itself: a recording kernel in the module's place."""
     from ulysses_mcore.call import CallCache
-    from ulysses_mcore.options import CallSite, CallTensors, attention_options
+    from ulysses_mcore.options import CallTensors, call_site
 
     got = []
 
@@ -285,7 +285,7 @@ def test_max_seqlen_from_packed_seq_params_reaches_the_kernel():
         return torch.zeros(*q.shape[:3], v.shape[3])
 
     cache = CallCache()
-    site = CallSite(attention_options(True, layout="thd"), check=False, kernel=kernel)
+    site = call_site(True, layout="thd", check=False, kernel=kernel)
     q = torch.randn(24, 4, 8)
     for cu, max_len in ((BATCHES[0][1], 12), (BATCHES[1][1], 16)):
         with HostReads() as reads:

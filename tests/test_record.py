@@ -152,9 +152,9 @@ def test_verdict_is_cached_per_signature():
 
 
 def test_record_fields_are_compared_exactly():
-    from ulysses_mcore.options import CallSite, CallTensors, attention_options
+    from ulysses_mcore.options import CallTensors, call_site
 
-    site = CallSite(attention_options(True, layout="thd"))
+    site = call_site(True, layout="thd")
     t = torch.randn(8, H, D)
     a = validation.call_record((t, t, t), site, CallTensors(cu_seqlens=torch.tensor([0, 1, 2, 3, 13, 16])), (2, 1))
     b = validation.call_record((t, t, t), site, CallTensors(cu_seqlens=torch.tensor([0, 1, 2, 8, 9, 16])), (2, 1))

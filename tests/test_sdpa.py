@@ -75,13 +75,13 @@ def test_window_sink_and_lse_need_no_dropout():
 def test_plain_kernel_only_where_nothing_needs_routing():
     """The prepared call's shortcut: bound SDPA for a plain call; None where a window, the lse or (on
     the CPU) value heads of another size need :func:`sdpa_attention`'s routing, or for another backend."""
-    from ulysses_mcore.options import attention_options
+    from ulysses_mcore.options import call_site
 
     q, k, v = _qkv(6)
-    plain = sdpa.plain_sdpa_kernel(attention_options(True, softmax_scale=0.3), q, v, True, "sbhd")
+    plain = sdpa.plain_sdpa_kernel(call_site(True, softmax_scale=0.3), q, v, True, "sbhd")
     ref = reference_attention(q, k, v, causal=True, softmax_scale=0.3)
     assert (plain(q, k, v).double() - ref).abs().max() < 1e-5
-    assert sdpa.plain_sdpa_kernel(attention_options(True, window_size=(3, 0)), q, v, True, "sbhd") is None
-    assert sdpa.plain_sdpa_kernel(attention_options(True, return_lse=True), q, v, True, "sbhd") is None
-    assert sdpa.plain_sdpa_kernel(attention_options(True), q, q[..., :6], True, "sbhd") is None
-    assert sdpa.plain_sdpa_kernel(attention_options(True, backend="te"), q, v, True, "sbhd") is None
+    assert sdpa.plain_sdpa_kernel(call_site(True, window_size=(3, 0)), q, v, True, "sbhd") is None
+    assert sdpa.plain_sdpa_kernel(call_site(True, return_lse=True), q, v, True, "sbhd") is None
+    assert sdpa.plain_sdpa_kernel(call_site(True), q, q[..., :6], True, "sbhd") is None
+    assert sdpa.plain_sdpa_kernel(call_site(True, backend="te"), q, v, True, "sbhd") is None

@@ -2,8 +2,7 @@
 
 :func:`ulysses_attention` is the framework-neutral functional form (torch only): its keywords,
 as one tuple, key the prepared call of the signature (:mod:`ulysses_mcore.call`); the call site
-and its :class:`~ulysses_mcore.options.AttentionOptions` record are built when a signature is
-first prepared.  The Megatron-Core
+(:class:`~ulysses_mcore.options.CallSite`) is built when a signature is first prepared.  The Megatron-Core
 ``core_attention`` module built on it is :class:`ulysses_mcore.megatron.layer.module.UlyssesAttention`.
 """
 
@@ -19,7 +18,7 @@ from .call import LIVE_CACHES, CallCache
 from .call import release as release_caches
 from .exchange.orders import load_balanced_permutation, per_document_order  # noqa: F401 - public here too
 from .kernels.registry import Kernel
-from .options import NO_TENSORS, CallSite, CallTensors, attention_options
+from .options import NO_TENSORS, CallSite, CallTensors, call_site
 from .topology import Topology, TopologyError
 
 # what a functional call chooses, in the order of the tuple that keys its prepared calls
@@ -30,8 +29,7 @@ _CHOICES += ("window_size", "return_lse", "group", "ring_group", "first_head", "
 def _site(choices: tuple) -> CallSite:
     """The call site of a functional call's choices (built when its first signature is prepared)."""
     c = dict(zip(_CHOICES, choices))
-    site = {name: c.pop(name) for name in ("group", "ring_group", "first_head", "check")}
-    return CallSite(attention_options(c.pop("causal"), **c), **site)
+    return call_site(c.pop("causal"), **c)
 
 
 CALLS = CallCache(_site)  # the functional API's prepared calls (a UlyssesAttention module keeps its own)

@@ -1,7 +1,7 @@
 """A validated call signature, prepared once: what a steady-state attention call runs.
 
-The first call of a signature (shapes, dtypes, devices, groups, the :class:`AttentionOptions`
-record, which extra tensors are given) is validated on every rank alike
+The first call of a signature (shapes, dtypes, devices, the :class:`CallSite`, which extra
+tensors are given) is validated on every rank alike
 (:mod:`ulysses_mcore.validation.record`) and turned into a :class:`PreparedCall`: the head plan, the
 exchange routes (buffer shapes, split sizes), the kernel with its fixed keywords, the kv-head
 index and token-order permutations, all worked out once.  Later calls with the same signature
@@ -216,14 +216,13 @@ class PreparedCall:
 
     def __init__(self, qkv, site: CallSite, tensors: CallTensors):
         q, k, v = qkv
-        opts = site.options
         ulysses, ring = group_sizes(site)
-        self.site, self.group, self.ring_group, self.opts = site, site.group, site.ring_group, opts
-        self.thd = opts.layout == "thd"
-        self.layout = "sbhd" if self.thd else opts.layout
+        self.site, self.group, self.ring_group = site, site.group, site.ring_group
+        self.thd = site.layout == "thd"
+        self.layout = "sbhd" if self.thd else site.layout
         if self.thd:
             q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
-        self.kw = opts.kernel_keywords(self.layout)
+        self.kw = site.kernel_keywords(self.layout)
         self.exchange = ulysses > 1
         rank = dist.get_rank(site.group) if self.exchange else 0
         self.plan = HeadPlan(q.shape[2], k.shape[2], ulysses)
@@ -237,29 +236,29 @@ class PreparedCall:
             kernel, self.kw = self._kernel((q, v), ring, tensors, gqa=kv_local != self.hi - self.lo)
         self.kernel = kernel
         if self.exchange:
-            self._routes(q, v, rank, opts)
+            self._routes(q, v, rank, site)
 
     def _kernel(self, qv, ring: int, tensors, gqa: bool):
         """(the kernel, the keywords it is called with)."""
-        opts = self.opts
+        site = self.site
         if ring > 1:
-            return ring_kernel(opts.backend, self.ring_group, opts.token_order), self.kw
+            return ring_kernel(site.backend, self.ring_group, site.token_order), self.kw
         if tensors is NO_TENSORS:  # nothing per call: the plain SDPA call, its keywords bound once
-            fast = plain_sdpa_kernel(opts, *qv, gqa, self.layout)
+            fast = plain_sdpa_kernel(site, *qv, gqa, self.layout)
             if fast is not None:
                 return fast, {}
-        return resolve(opts.backend), self.kw
+        return resolve(site.backend), self.kw
 
-    def _routes(self, q, v, rank, opts):
+    def _routes(self, q, v, rank, site: CallSite):
         plan, dv = self.plan, v.shape[3]
         self.qkv = qkv_route(q, v, plan, rank, self.layout)
         A, B = q.shape[0], q.shape[1]
         self.dv = dv
-        self.out = OutRoute(plan, rank, Shard(A, B, dv + (lse_columns(q.dtype) if opts.return_lse else 0)), self.layout)
+        self.out = OutRoute(plan, rank, Shard(A, B, dv + (lse_columns(q.dtype) if site.return_lse else 0)), self.layout)
         sd = seq_dim(self.layout)
-        self.orders = token_orders(opts.token_order, plan.ulysses, q.shape[sd] * plan.ulysses, q.device, sd)
-        if opts.overlap_chunks > 1:
-            self.chunks = ChunkRoutes(plan, rank, opts.overlap_chunks, Shard(A, B, q.shape[3]), self.layout)
+        self.orders = token_orders(site.token_order, plan.ulysses, q.shape[sd] * plan.ulysses, q.device, sd)
+        if site.overlap_chunks > 1:
+            self.chunks = ChunkRoutes(plan, rank, site.overlap_chunks, Shard(A, B, q.shape[3]), self.layout)
 
     # ------------------------------------------------------------------------- per call
     def __call__(self, q, k, v, tensors):
@@ -267,12 +266,12 @@ class PreparedCall:
             q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
         if not self.exchange:
             out = self.kernel(q, k, v, **self._kw(tensors, 0, self.hi))
-        elif self.opts.overlap_chunks > 1:
+        elif self.site.overlap_chunks > 1:
             out = self._overlapped(q, k, v, tensors)
         else:
             out = self._exchanged(q, k, v, tensors)
         if self.thd:
-            return (out[0].squeeze(1), out[1].squeeze(1)) if self.opts.return_lse else out.squeeze(1)
+            return (out[0].squeeze(1), out[1].squeeze(1)) if self.site.return_lse else out.squeeze(1)
         return out
 
     def _kw(self, tensors, lo, hi):
@@ -297,7 +296,7 @@ class PreparedCall:
         if self.kv_index is not None:
             kh, vh = kh.index_select(2, self.kv_index), vh.index_select(2, self.kv_index)
         out = self._attend(qh, kh, vh, tensors, (self.lo, self.hi - self.lo))
-        if self.opts.return_lse:  # the lse rides in the output's all-to-all, bit-cast into extra columns
+        if self.site.return_lse:  # the lse rides in the output's all-to-all, bit-cast into extra columns
             out, lse = out
             return unpack_lse(exchange_out(pack_lse(out, lse), self.group, self.out), self.dv, lse.dtype)
         return exchange_out(out, self.group, self.out)
@@ -313,7 +312,7 @@ class PreparedCall:
             return self.kernel(q, k, v, **kw)
         to_natural, to_received = self.orders(tensors.cu_seqlens)
         res = self.kernel(to_natural(q), to_natural(k), to_natural(v), **kw)
-        if self.opts.return_lse:
+        if self.site.return_lse:
             return to_received(res[0]), to_received(res[1])
         return to_received(res)
 

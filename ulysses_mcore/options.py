@@ -1,28 +1,25 @@
-"""The records of an attention call's choices, what each kernel can take, and the constants every
-room shares.
+"""The two records of an attention call, what each kernel can take, and the constants every room
+shares.
 
-:class:`AttentionOptions` carries what stays the same from call to call at one call site --
-causality, layout, kernel, scale, dropout, token order, overlap, window, whether the
-log-sum-exp is returned -- so the validator, the prepared call and the kernels read one value
-instead of a dozen keywords.  It is built when a call site's first signature is prepared (a
-steady-state call is keyed by the caller's plain choices and builds no record).  Per-call tensors
-(masks, bias, document boundaries, sinks) are data, not options: they travel beside it in one
-:class:`CallTensors`.  :class:`CallSite` holds the options
-with the rest of what is fixed where the attention is called (groups, first head, the caller's
-checks and kernel, the check mode): the cache, the prepared call and the validator read it by
-field name.
+:class:`CallSite` carries what stays the same from call to call at one call site: the options
+(causality, layout, kernel, scale, dropout, token order, overlap, window, whether the log-sum-exp
+is returned: :data:`OPTIONS`, what the ranks compare) and where it runs (groups, first head, the
+caller's checks and kernel, the check mode).  It is built when a call site's first signature is
+prepared (a steady-state call is keyed by the caller's plain choices and builds nothing); the
+cache, the prepared call, the validator and the kernels read it by field name.  What changes per
+call (masks, bias, document boundaries, sinks) travels beside it in one :class:`CallTensors`,
+whose fields' treatment is one table (:data:`PER_CALL`).
 
 What a kernel can take -- the built-in names, whether one is installed here, flash-attn's head dims
 and dropout / MLA support, the keywords a callable declares -- is data here too, so validation reads
 it without importing a kernel (validation stands beside the kernels, not between the call and them).
 
-Adding an option: a field here (and in :meth:`AttentionOptions.kernel_keywords` when the kernels
-take it), its check in :mod:`ulysses_mcore.validation.checks`, and the kernels that implement it; the
-record the ranks compare follows from the fields (docs/design.md).
-
-The fields are typed as a valid call has them, but values are stored as given (a bad one is the
-validator's to report, the same on every rank); only a ``window_size`` list becomes a tuple, so
-the record stays hashable.
+Adding an option: a field of :class:`CallSite` and its name in :data:`OPTIONS` (and in
+:meth:`CallSite.kernel_keywords` when the kernels take it), its check in
+:mod:`ulysses_mcore.validation.checks`, and the kernels that implement it; the record the ranks
+compare follows from :data:`OPTIONS` (docs/design.md).  Values are stored as given (a bad one is
+the validator's to report, the same on every rank); only a ``window_size`` list becomes a tuple,
+so the record stays hashable.
 """
 
 from __future__ import annotations
@@ -158,19 +155,48 @@ def flash_problem(dropout: bool, mla: bool) -> str:
     return flash_choice(*flash_installed(), dropout=dropout, mla=mla)[1]
 
 
+OPTIONS = (  # a call site's options: what the math is, compared across the ranks field by field
+    "causal",
+    "layout",
+    "backend",
+    "softmax_scale",
+    "dropout_p",
+    "token_order",
+    "overlap_chunks",
+    "window_size",
+    "return_lse",
+)
+
+
 @dataclass(frozen=True)
-class AttentionOptions:
-    """The static choices of one attention call site (see the module docstring)."""
+class CallSite:
+    """Everything fixed at one call site, resolved once (see the module docstring).  Hashable: it is
+    part of the key of a prepared call.
+
+    The options (:data:`OPTIONS`): ``causal``; ``layout`` "sbhd" | "bshd" | "thd"; ``backend``
+    "sdpa" | "flash" | "te" | a callable kernel; ``softmax_scale`` (None: 1/sqrt(d)); ``dropout_p``;
+    ``token_order`` "contiguous" | "load_balanced" | "per_document"; ``overlap_chunks``;
+    ``window_size`` (left, right), -1 unbounded; ``return_lse``.  Where it runs: ``group`` and
+    ``ring_group`` (the Ulysses and ring process groups), ``first_head`` (the model's index of the
+    first query head held here), ``checks`` (the caller's own, hashable ``(name, value)`` pairs,
+    e.g. a module's expected heads), ``kernel`` (the caller's own kernel object: a module's
+    Transformer Engine child), ``check`` (``True``, ``False``, ``"every_call"``)."""
 
     causal: bool
-    layout: str = "sbhd"  # "sbhd" | "bshd" | "thd"
-    backend: Union[str, Callable] = "sdpa"  # "sdpa" | "flash" | "te" | a callable kernel
+    layout: str = "sbhd"
+    backend: Union[str, Callable] = "sdpa"
     softmax_scale: Optional[float] = None
     dropout_p: float = 0.0
-    token_order: str = "contiguous"  # "contiguous" | "load_balanced" | "per_document"
+    token_order: str = "contiguous"
     overlap_chunks: int = 1
-    window_size: Optional[Tuple[int, int]] = None  # (left, right), -1 unbounded
+    window_size: Optional[Tuple[int, int]] = None
     return_lse: bool = False
+    group: Any = None
+    ring_group: Any = None
+    first_head: int = 0
+    checks: Tuple[Tuple[str, Any], ...] = ()
+    kernel: Any = None
+    check: Union[bool, str] = True
 
     @property
     def window(self) -> Optional[Tuple[int, int]]:
@@ -189,25 +215,24 @@ class AttentionOptions:
             kw["return_lse"] = True
         return kw
 
+    def checked(self, name: str, default=None):
+        """The caller's check ``name``, or ``default``."""
+        return dict(self.checks).get(name, default)
 
-_OPTION_NAMES = tuple(f.name for f in fields(AttentionOptions))
+
+_SITE_FIELDS = tuple(f.name for f in fields(CallSite))
 
 
-def attention_options(causal, **choices) -> AttentionOptions:
-    """The :class:`AttentionOptions` of ``causal`` and the other fields by name, the values as given
+def call_site(causal, **choices) -> CallSite:
+    """The :class:`CallSite` of ``causal`` and the other fields by name, the values as given
     (``causal=1`` or ``dropout_p=False`` reach the validator as they are, not as ``True`` / ``0.0``);
     a ``window_size`` list becomes a tuple.  Built when a call site's first signature is prepared."""
+    unknown = set(choices) - set(_SITE_FIELDS)
+    if unknown:
+        raise TypeError(f"call_site: unknown field(s) {sorted(unknown)}; the fields: {list(_SITE_FIELDS)}")
     if isinstance(choices.get("window_size"), list):
         choices["window_size"] = tuple(choices["window_size"])
-    choices["causal"] = causal
-    return _record(choices)
-
-
-def _record(choices: dict) -> AttentionOptions:
-    unknown = set(choices) - set(_OPTION_NAMES)
-    if unknown:
-        raise TypeError(f"attention_options: unknown option(s) {sorted(unknown)}; the options: {list(_OPTION_NAMES)}")
-    return AttentionOptions(**choices)
+    return CallSite(causal, **choices)
 
 
 class CallTensors(NamedTuple):
@@ -253,33 +278,12 @@ PER_CALL = {  # the one table of CallTensors' fields, in their order
 }
 
 
-@dataclass(frozen=True)
-class CallSite:
-    """Everything fixed at one call site, resolved once: the options, the sequence groups (Ulysses,
-    ring), the model's index of the first query head held here, the caller's own checks (hashable
-    ``(name, value)`` pairs, e.g. a module's expected heads), the caller's own kernel object (a
-    module's Transformer Engine child) and the check mode (``True``, ``False``, ``"every_call"``).
-    Hashable: it is part of the key of a prepared call."""
-
-    options: AttentionOptions
-    group: Any = None
-    ring_group: Any = None
-    first_head: int = 0
-    checks: Tuple[Tuple[str, Any], ...] = ()
-    kernel: Any = None
-    check: Union[bool, str] = True
-
-    def checked(self, name: str, default=None):
-        """The caller's check ``name``, or ``default``."""
-        return dict(self.checks).get(name, default)
-
-
 __all__ = [
-    "AttentionOptions",
+    "OPTIONS",
     "CallSite",
     "CallTensors",
     "NO_TENSORS",
-    "attention_options",
+    "call_site",
     "has_window",
     "options_set",
     "LSE_TILE",

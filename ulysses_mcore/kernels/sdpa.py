@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..exchange.orders import host_bounds, host_lengths
-from ..options import LSE_TILE, AttentionOptions, flash_takes_head_dim, options_set
+from ..options import LSE_TILE, CallSite, flash_takes_head_dim, options_set
 from .tiled import lse_attention
 from .varlen import Documents, padded_varlen
 
@@ -147,20 +147,20 @@ def sdpa_plain(q, k, v, *, causal, softmax_scale=None, layout="sbhd", dropout_p=
     return _from_bhsd(out, layout)
 
 
-def plain_sdpa_kernel(opts: AttentionOptions, q, v, gqa: bool, layout: str):
-    """:func:`sdpa_plain` with ``opts``' keywords bound, when a call has nothing that needs
+def plain_sdpa_kernel(site: CallSite, q, v, gqa: bool, layout: str):
+    """:func:`sdpa_plain` with the site's keywords bound, when a call has nothing that needs
     :func:`sdpa_attention`'s routing (a window, the lse, value heads of another size on the CPU),
     else ``None``."""
-    if opts.backend != "sdpa" or opts.window is not None or opts.return_lse:
+    if site.backend != "sdpa" or site.window is not None or site.return_lse:
         return None
     if q.device.type == "cpu" and q.shape[-1] != v.shape[-1]:
         return None
     return functools.partial(
         sdpa_plain,
-        causal=opts.causal,
-        softmax_scale=opts.softmax_scale,
+        causal=site.causal,
+        softmax_scale=site.softmax_scale,
         layout=layout,
-        dropout_p=opts.dropout_p or 0.0,
+        dropout_p=site.dropout_p or 0.0,
         gqa=gqa,
     )
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ..exchange.transport import is_fake_group
-from ..options import AttentionOptions, CallSite
+from ..options import CallSite
 
 
 def _stable(x):
@@ -28,7 +28,7 @@ def _stable(x):
         return x.type
     if isinstance(x, dist.ProcessGroup):
         return ("group", x.size())
-    if isinstance(x, (AttentionOptions, CallSite)):  # field by field, callables by name
+    if isinstance(x, CallSite):  # field by field, callables by name
         return tuple((f.name, _stable(getattr(x, f.name))) for f in fields(x))
     if callable(x) and not isinstance(x, type):
         return "callable"

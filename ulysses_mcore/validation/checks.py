@@ -1,7 +1,7 @@
 """The checks one rank runs on its own call, before the ranks compare records
 (:mod:`ulysses_mcore.validation.record`): each check returns the first problem of one concern, or "";
 they run in the order of :data:`LOCAL_CHECKS` and the first problem wins.  A check reads the call
-by name: ``c.opts`` (the site's :class:`~ulysses_mcore.options.AttentionOptions`), ``c.t`` (the
+by name: ``c.opts`` (the :class:`~ulysses_mcore.options.CallSite`'s options), ``c.t`` (the
 per-call :class:`~ulysses_mcore.options.CallTensors`), ``c.site.checked(name)`` (the caller's own
 checks), ``c.degree`` / ``c.ring``.  Never a collective, never a raise: the caller writes the
 problem into this rank's record.
@@ -62,7 +62,7 @@ class CallView:
 
     def __init__(self, qkv, site: CallSite, tensors: CallTensors, sizes: Tuple[int, int]):
         self.q, self.k, self.v = qkv
-        self.site, self.opts, self.t = site, site.options, tensors
+        self.site, self.opts, self.t = site, site, tensors
         self.ulysses, self.ring = sizes
         self.layout, self.backend = self.opts.layout, self.opts.backend
         self.thd = self.layout == "thd"

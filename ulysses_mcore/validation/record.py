@@ -18,7 +18,7 @@ signature together (they run the same model on the same kind of batch).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -27,24 +27,19 @@ import torch.distributed as dist
 from ..exchange.heads import seq_dim
 from ..exchange.orders import TOKEN_ORDERS
 from ..exchange.transport import is_fake_group
-from ..options import NO_TENSORS, PER_CALL, AttentionOptions, CallSite, CallTensors, has_window
+from ..options import NO_TENSORS, OPTIONS, PER_CALL, CallSite, CallTensors, has_window
 from .checks import CallView, int_list, local_problem
 
 
-@dataclass(frozen=True)
-class TensorSig:
-    shape: Tuple[int, ...]
-    dtype: str
-    device: str
-    requires_grad: bool = False
+def _sig(t) -> Optional[tuple]:
+    """A per-call tensor as the ranks compare it: ``(shape, dtype, requires_grad)``, None if absent."""
+    if t is None or not isinstance(t, torch.Tensor):
+        return None if t is None else ((), type(t).__name__, False)
+    return tuple(t.shape), str(t.dtype).replace("torch.", ""), t.requires_grad
 
-    @staticmethod
-    def of(t) -> Optional[TensorSig]:
-        if t is None:
-            return None
-        if not isinstance(t, torch.Tensor):
-            return TensorSig((), type(t).__name__, "not a tensor")
-        return TensorSig(tuple(t.shape), str(t.dtype).replace("torch.", ""), t.device.type, t.requires_grad)
+
+def _shape(t) -> Tuple[int, ...]:
+    return tuple(t.shape) if isinstance(t, torch.Tensor) else ()
 
 
 # the per-call data the ranks compare: (field of CallTensors, how it is recorded, what a disagreement is called)
@@ -54,14 +49,17 @@ _DATA = tuple((name, f.compared, f.called) for name, f in PER_CALL.items() if f.
 @dataclass(frozen=True)
 class CallRecord:
     """One rank's view of one call, compared across ranks: its own problem ("" = none: it travels to
-    every rank), the options as compared (the backend by name, the window in force), the three
-    tensors' signatures, the degrees and the per-call data of :data:`_DATA` by name."""
+    every rank), the site's options by name as compared (:data:`~ulysses_mcore.options.OPTIONS`; the
+    backend by name, the window in force), the query's and key's shapes, their dtype and device
+    type (one each, or the local checks' problem), the degrees and the per-call data of
+    :data:`_DATA` by name (a tensor as ``(shape, dtype, requires_grad)``)."""
 
     problem: str
-    options: AttentionOptions
-    query: TensorSig
-    key: TensorSig
-    value: TensorSig
+    options: Dict[str, Any]
+    query: Tuple[int, ...]
+    key: Tuple[int, ...]
+    dtype: str = ""
+    device: str = ""
     ulysses: int = 1
     ring: int = 1
     data: Dict[str, Any] = field(default_factory=dict)
@@ -73,19 +71,19 @@ def _backend_name(backend) -> str:
 
 
 def _ring_problem(r: CallRecord) -> str:
-    o, bias = r.options, r.data["attention_bias"]
+    o, bias = r.options, r.data["attention_bias"]  # bias: (shape, dtype, requires_grad) or None
     if r.ring <= 1:
         return ""
-    if o.backend not in ("sdpa", "te"):
+    if o["backend"] not in ("sdpa", "te"):
         return (
             f"a ring (ring_group of {r.ring} ranks, --context-parallel-size) runs with backend='sdpa' (the "
-            f"log-sum-exp ring) or 'te' (Transformer Engine's p2p ring); got backend={o.backend!r}"
+            f"log-sum-exp ring) or 'te' (Transformer Engine's p2p ring); got backend={o['backend']!r}"
         )
-    if o.dropout_p:
+    if o["dropout_p"]:
         return (
             f"attention dropout is not supported with a ring (ring_group of {r.ring} ranks): set --attention-dropout 0"
         )
-    if bias is not None and bias.requires_grad:
+    if bias is not None and bias[2]:
         return (
             "attention_bias requires grad, but the ring treats the bias as a constant: pass "
             "attention_bias.detach() or use --context-parallel-size 1"
@@ -95,7 +93,7 @@ def _ring_problem(r: CallRecord) -> str:
             "packed documents with padding between them (cu_seqlens_q != cu_seqlens_q_padded) cannot run with "
             "a ring: build the batch with ulysses_mcore.megatron.layer.batch.pack_batch + shard_batch"
         )
-    if o.backend == "te" and (o.layout == "thd" or r.data["attention_mask"] is not None or bias is not None):
+    if o["backend"] == "te" and (o["layout"] == "thd" or r.data["attention_mask"] is not None or bias is not None):
         return (
             "backend='te' with a ring takes causal / no-mask unpacked input only: use backend='sdpa' for "
             "masks, bias or packed sequences with a ring"
@@ -105,7 +103,7 @@ def _ring_problem(r: CallRecord) -> str:
 
 def _recorded(kind: str, t, problem: str):
     if kind == "sig":
-        return TensorSig.of(t)
+        return _sig(t)
     return None if problem else int_list(t)
 
 
@@ -117,18 +115,20 @@ def call_record(qkv, site: CallSite, tensors: CallTensors = NO_TENSORS, sizes=(1
         problem = local_problem(call)
     except Exception as ex:  # noqa: BLE001 - whatever it is, every rank must hear of it
         problem = f"invalid input ({type(ex).__name__}: {ex})"
-    o = site.options
-    compared = replace(
-        o,
-        layout=str(o.layout),
-        backend=_backend_name(o.backend),
-        token_order=str(o.token_order),
-        window_size=tuple(o.window_size) if has_window(o.window_size) and not problem else None,
-    )
+    compared = {name: getattr(site, name) for name in OPTIONS} | {
+        "layout": str(site.layout),
+        "backend": _backend_name(site.backend),
+        "token_order": str(site.token_order),
+        "window_size": tuple(site.window_size) if has_window(site.window_size) and not problem else None,
+    }
+    q = qkv[0]
     rec = CallRecord(
         problem,
         compared,
-        *(TensorSig.of(t) for t in qkv),
+        query=_shape(q),
+        key=_shape(qkv[1]),
+        dtype=str(getattr(q, "dtype", "")).replace("torch.", ""),
+        device=getattr(getattr(q, "device", None), "type", ""),
         ulysses=sizes[0],
         ring=sizes[1],
         data={name: _recorded(kind, getattr(tensors, name), problem) for name, kind, _ in _DATA},
@@ -141,20 +141,21 @@ def call_record(qkv, site: CallSite, tensors: CallTensors = NO_TENSORS, sizes=(1
 
 
 def _full_sequence_problem(r: CallRecord) -> str:
-    sdim = seq_dim(r.options.layout)
-    seq = r.query.shape[sdim] * r.ulysses * r.ring
-    b = 1 if r.options.layout == "thd" else r.query.shape[1 - sdim]
-    heads = r.query.shape[-2]
-    if r.options.token_order == "load_balanced" and r.query.shape[sdim] % 2:
+    layout = r.options["layout"]
+    sdim = seq_dim(layout)
+    seq = r.query[sdim] * r.ulysses * r.ring
+    b = 1 if layout == "thd" else r.query[1 - sdim]
+    heads = r.query[-2]
+    if r.options["token_order"] == "load_balanced" and r.query[sdim] % 2:
         return (
             f"token_order='load_balanced' holds 2 chunks per rank, so the tokens per rank must be even; there "
-            f"are {r.query.shape[sdim]}: make the sequence a multiple of {2 * r.ulysses * r.ring}"
+            f"are {r.query[sdim]}: make the sequence a multiple of {2 * r.ulysses * r.ring}"
         )
     for name in ("attention_mask", "attention_bias"):
         s = r.data[name]
         if s is None:
             continue
-        shp = list(s.shape)
+        shp = list(s[0])
         if len(shp) != 4 or any(x not in (1, w) for x, w in zip(shp[:3], (b, heads, seq))) or shp[3] != seq:
             return (
                 f"{name} must cover the full sequence, shape [b or 1, heads or 1, {seq} or 1, {seq}] (b={b}, "
@@ -165,11 +166,11 @@ def _full_sequence_problem(r: CallRecord) -> str:
 
 # ----------------------------------------------------------------------------- all ranks
 def _tokens(r: CallRecord) -> int:
-    return r.query.shape[seq_dim(r.options.layout)]
+    return r.query[seq_dim(r.options["layout"])]
 
 
 def _option(name: str):
-    return lambda r: getattr(r.options, name)
+    return lambda r: r.options[name]
 
 
 def _datum(name: str):
@@ -184,12 +185,12 @@ _AGREE = (  # (what the message calls it, the value compared), in the order they
             "tokens)",
             _tokens,
         ),
-        ("query shape", lambda r: list(r.query.shape)),
-        ("key/value shape", lambda r: list(r.key.shape)),
-        ("dtype", lambda r: r.query.dtype),
-        ("device", lambda r: r.query.device),
+        ("query shape", lambda r: list(r.query)),
+        ("key/value shape", lambda r: list(r.key)),
+        ("dtype", lambda r: r.dtype),
+        ("device", lambda r: r.device),
     ]
-    + [(f.name, _option(f.name)) for f in fields(AttentionOptions) if f.name != "layout"]
+    + [(name, _option(name)) for name in OPTIONS if name != "layout"]
     + [("Ulysses degree", lambda r: r.ulysses), ("ring size", lambda r: r.ring)]
     + [(what, _datum(name)) for name, _, what in _DATA]
 )
@@ -244,4 +245,4 @@ def check_call(qkv, site: CallSite, tensors: CallTensors = NO_TENSORS) -> None:
         raise ValueError(f"ulysses_attention: {problem}")
 
 
-__all__ = ["CallRecord", "TensorSig", "call_record", "check_call", "verdict", "TOKEN_ORDERS"]
+__all__ = ["CallRecord", "call_record", "check_call", "verdict", "TOKEN_ORDERS"]

@@ -32,7 +32,7 @@ from ulysses_mcore.kernels.registry import Kernel, resolve
 from ulysses_mcore.kernels.te import TEAttention
 from ulysses_mcore.megatron.layer.groups import group_size, mpu_collection, sequence_groups
 from ulysses_mcore.megatron.layer.rotary import RotaryKernel
-from ulysses_mcore.options import NO_TENSORS, CallSite, CallTensors, attention_options, backend_error
+from ulysses_mcore.options import NO_TENSORS, CallSite, CallTensors, backend_error, call_site
 from ulysses_mcore.planning.placement import powers_of_two
 
 
@@ -268,7 +268,7 @@ class UlyssesAttention(MegatronModule):
         """This module's call site for ``(causal, layout, token order, group, dropout)``: built when
         its first signature is prepared, then held by the prepared call."""
         causal, layout, order, group, dropout = choices
-        opts = attention_options(
+        return call_site(
             causal,
             layout=layout,
             backend=self.backend,
@@ -276,15 +276,11 @@ class UlyssesAttention(MegatronModule):
             dropout_p=dropout,
             token_order=order,
             window_size=self.window_size,
-        )
-        kernel = self.rotary or self.te_attention
-        return CallSite(
-            opts,
             group=group,
             ring_group=self.ring_group,
             first_head=self.tp_rank * self.num_q_heads,
             checks=self.checks,
-            kernel=kernel,
+            kernel=self.rotary or self.te_attention,
             check=self.check,
         )
 
