@@ -327,45 +327,15 @@ def ring_kernel(backend, ring_group, token_order: str):
     if backend == "te":
         return TEKernel(ring_group)
 
-    def lse_ring(
-        q,
-        k,
-        v,
-        *,
-        causal,
-        softmax_scale=None,
-        layout="sbhd",
-        attention_mask=None,
-        attention_bias=None,
-        cu_seqlens=None,
-        seqlens=None,
-        window_size=None,
-        softmax_offset=None,
-        return_lse=False,
-        heads=None,
-        max_seqlen=None,  # the ring reads its boundaries once per micro-batch; no bound needed
-    ):
-        """``heads`` is informational (the ring has no per-head parameters of its own)."""
+    def lse_ring(q, k, v, *, seqlens=None, heads=None, max_seqlen=None, **kw):
+        """The log-sum-exp ring over ``ring_group``: every keyword as the tiled kernel takes it
+        (``heads`` is informational, ``max_seqlen`` unneeded: the ring reads its boundaries once
+        per micro-batch)."""
         if seqlens is not None:  # validation refuses it first; a direct caller hears why here
             raise ValueError(
                 "the log-sum-exp ring takes packed documents without padding between them (cu_seqlens only): "
                 "seqlens (padded documents) cannot run with a ring"
             )
-        return ring_attention(
-            q,
-            k,
-            v,
-            group=ring_group,
-            causal=causal,
-            softmax_scale=softmax_scale,
-            layout=layout,
-            token_order=token_order,
-            attention_mask=attention_mask,
-            attention_bias=attention_bias,
-            cu_seqlens=cu_seqlens,
-            window_size=window_size,
-            softmax_offset=softmax_offset,
-            return_lse=return_lse,
-        )
+        return ring_attention(q, k, v, group=ring_group, token_order=token_order, **kw)
 
     return lse_ring
