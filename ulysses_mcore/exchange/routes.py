@@ -75,16 +75,8 @@ class QkvRoute:
 
     def __init__(self, plan: HeadPlan, rank: int, shard: Shard, layout: str):
         ulysses, (A, B, dq, dv) = plan.ulysses, shard.with_dv()
-        self.plan, self.layout, self.sd, self.ulysses, self.A, self.B, self.dq, self.dv = (
-            plan,
-            layout,
-            seq_dim(layout),
-            ulysses,
-            A,
-            B,
-            dq,
-            dv,
-        )
+        self.plan, self.layout, self.sd, self.ulysses = plan, layout, seq_dim(layout), ulysses
+        self.A, self.B, self.dq, self.dv = A, B, dq, dv
         self.mine, W = _widths(plan.q_count(rank), plan.kv_count(rank), dq, dv)
         self.recv_shape = (ulysses, A, B, W)
         full = (ulysses * A, B) if self.sd == 0 else (A, ulysses * B)
@@ -226,15 +218,8 @@ class OutRoute:
 
     def __init__(self, plan: HeadPlan, rank: int, shard: Shard, layout: str):
         ulysses, (A, B, d, _) = plan.ulysses, shard
-        self.plan, self.layout, self.sd, self.ulysses, self.A, self.B, self.d = (
-            plan,
-            layout,
-            seq_dim(layout),
-            ulysses,
-            A,
-            B,
-            d,
-        )
+        self.plan, self.layout, self.sd, self.ulysses = plan, layout, seq_dim(layout), ulysses
+        self.A, self.B, self.d = A, B, d
         self.n_me = plan.q_count(rank)
         self.buf_shape = (ulysses, A, B, self.n_me, d)
         self.result5 = (A, B, ulysses, self.n_me, d)
