@@ -97,9 +97,9 @@ def test_the_lse_ring_refuses_padded_documents_it_cannot_honour():
 
 # ----------------------------------------------------------------------------- bounds and agreement
 def test_cache_is_bounded_in_entries_and_bytes_and_stays_exact():
-    """Hundreds of distinct shapes (load-balanced order: each prepared call keeps index tensors):
-    the cache never holds more than its bounds, and every call is still exact."""
-    from ulysses_mcore.call import held_bytes
+    """Hundreds of distinct shapes (load-balanced order: each prepared call keeps index tensors, an
+    order and its inverse of the gathered sequence, int64): the cache never holds more than its
+    bounds, prices what it holds at those bytes, and every call is still exact."""
 
     opts = call_site(True, token_order="load_balanced")
 
@@ -114,7 +114,8 @@ def test_cache_is_bounded_in_entries_and_bytes_and_stays_exact():
             shards = [torch.cat([c[rank], c[2 * world - 1 - rank]]) for c in (t.chunk(2 * world) for t in full(i))]
             out = cache.run(*shards, whole_world(opts))
             worst = max(worst, cache.held)
-            assert cache.held == sum(held_bytes(c) for c in cache.entries.values())
+            shard_tokens = [key[1][0][0] for key in cache.entries]  # the key: (choices, q's signature, ...)
+            assert cache.held == sum(2 * (world * n) * 8 for n in shard_tokens)
             if i % 60 == 7:
                 outs[i] = out
         return worst, len(cache.entries), outs

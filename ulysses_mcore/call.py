@@ -1,17 +1,9 @@
 """A validated call signature, prepared once: what a steady-state attention call runs.
 
-The first call of a signature (shapes, dtypes, devices, the :class:`CallSite`, which extra
-tensors are given) is validated on every rank alike
-(:mod:`ulysses_mcore.validation.record`) and turned into a :class:`PreparedCall`: the head plan, the
-exchange routes (buffer shapes, split sizes), the kernel with its fixed keywords, the kv-head
-index and token-order permutations, all worked out once.  Later calls with the same signature
-pay one dict lookup on a tuple of shapes, dtypes and ids (:func:`call_key`), then run two
-collectives and the kernel: no validation, no plan, no per-rank Python loop for regular head
-plans, no device-to-host copy.
-
-:class:`CallCache` holds them: one per :class:`~ulysses_mcore.megatron.layer.module.UlyssesAttention`
-instance, and one (bounded) for the functional API.  An entry holds its groups, so a group's id
-cannot be reused by another while it is cached.
+The first call of a signature is validated on every rank alike and turned into a
+:class:`PreparedCall` (head plan, routes, kernel and its keywords, index permutations); later calls
+pay one dict lookup on :func:`call_key`, two collectives and the kernel.  :class:`CallCache`
+holds them: one per ``UlyssesAttention`` module, one (bounded) for the functional API.
 """
 
 from __future__ import annotations
@@ -22,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .exchange.heads import HeadPlan, seq_dim
-from .exchange.orders import BATCH, token_orders
+from .exchange.orders import BATCH, held_bytes, token_orders
 from .exchange.overlap import ChunkRoutes, OverlappedUlysses
 from .exchange.pair import exchange_out, exchange_qkv, kv_index, pack_lse, unpack_lse
 from .exchange.routes import OutRoute, Shard, qkv_route
@@ -33,7 +25,6 @@ from .kernels.sdpa import plain_sdpa_kernel
 from .kernels.te import TEKernel
 from .options import NO_TENSORS, PER_CALL, CallSite, CallTensors
 from .validation.agreement import agree_call, digest
-from .validation.checks import has_values
 from .validation.record import check_call, group_sizes
 
 # (index in CallTensors, how it is keyed) of each per-call field that is part of a signature
@@ -88,15 +79,9 @@ def _same(site: CallSite) -> CallSite:
 
 class CallCache:
     """Prepared calls by :func:`call_key`, bounded: at most ``max_entries`` of them and ``max_bytes``
-    of the tensors they hold (routes, index permutations); the oldest go first.
-
-    ``check="every_call"``: every call, cached here or not, first agrees with its group on its
-    signature, its document boundaries and whether any rank meets the signature for the first time
-    (:func:`~ulysses_mcore.validation.agreement.agree_call`: one all-reduce of five integers): when the ranks'
-    calls differ -- shapes or boundaries that change from call to call, one rank's but not its
-    peer's, a signature cached on one rank and new on another -- every rank validates this call and
-    raises the same ``ValueError`` instead of entering an all-to-all of mismatched sizes (which gloo
-    answers by aborting the process) or a collective its peers never enter."""
+    of the tensors they hold; the oldest go first.  ``check="every_call"``: every call first agrees
+    with its group (:meth:`_every_call`), so ranks whose calls differ raise the same ``ValueError``
+    instead of entering an all-to-all of mismatched sizes or a collective their peers never enter."""
 
     def __init__(self, site_of=_same, max_entries: int = 256, max_bytes: int = 256 << 20):
         LIVE_CACHES.add(self)
@@ -150,7 +135,7 @@ class CallCache:
         return call
 
     def _keep(self, key, call) -> None:
-        size = held_bytes(call)
+        size = call.nbytes
         while self.entries and (len(self.entries) >= self.max_entries or self.held + size > self.max_bytes):
             old = next(iter(self.entries))  # the oldest signature
             del self.entries[old]
@@ -173,36 +158,6 @@ class CallCache:
             "ulysses_attention: the ranks of the group called with different signatures (shapes, dtypes, "
             "options or document boundaries); call with the same shapes and cu_seqlens on every rank"
         )
-
-
-def held_bytes(obj, depth: int = 6) -> int:
-    """Bytes of the tensors ``obj`` holds: its attributes and theirs (this package's objects only),
-    containers and closures, each storage once."""
-    seen, storages, total = set(), set(), 0
-    todo = [(obj, 0)]
-    while todo:
-        x, d = todo.pop()
-        if isinstance(x, torch.Tensor):
-            ptr = x.untyped_storage().data_ptr() if has_values(x) else id(x)
-            total += 0 if ptr in storages else x.untyped_storage().nbytes()
-            storages.add(ptr)
-        elif d < depth and id(x) not in seen:
-            seen.add(id(x))
-            todo += [(y, d + 1) for y in _held(x)]
-    return total
-
-
-def _held(x) -> list:
-    """What ``x`` refers to that may hold tensors: items, values, closure cells, this package's attributes."""
-    if isinstance(x, (list, tuple)):
-        return list(x)
-    if isinstance(x, dict):
-        return list(x.values())
-    if getattr(x, "__closure__", None):
-        return [c.cell_contents for c in x.__closure__ if c.cell_contents is not None]
-    if type(x).__module__.startswith("ulysses_mcore") and hasattr(x, "__dict__"):
-        return list(vars(x).values())
-    return []
 
 
 def lse_columns(dtype: torch.dtype) -> int:
@@ -230,6 +185,7 @@ class PreparedCall:
         self.head0 = site.first_head
         self.kw["heads"] = (self.head0 + self.lo, self.head0 + self.hi)
         self.kv_index = kv_index(self.plan, rank, q.device) if self.exchange else None
+        self.nbytes = 0 if self.kv_index is None else self.kv_index.nbytes  # what the cache prices it at
         kv_local = self.hi - self.lo if self.kv_index is not None else self.plan.kv_count(rank)
         kernel = site.kernel
         if kernel is None:
@@ -257,6 +213,7 @@ class PreparedCall:
         self.out = OutRoute(plan, rank, Shard(A, B, dv + (lse_columns(q.dtype) if site.return_lse else 0)), self.layout)
         sd = seq_dim(self.layout)
         self.orders = token_orders(site.token_order, plan.ulysses, q.shape[sd] * plan.ulysses, q.device, sd)
+        self.nbytes += held_bytes(site.token_order, q.shape[sd] * plan.ulysses)
         if site.overlap_chunks > 1:
             self.chunks = ChunkRoutes(plan, rank, site.overlap_chunks, Shard(A, B, q.shape[3]), self.layout)
 

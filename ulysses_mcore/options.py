@@ -1,25 +1,14 @@
 """The two records of an attention call, what each kernel can take, and the constants every room
 shares.
 
-:class:`CallSite` carries what stays the same from call to call at one call site: the options
-(causality, layout, kernel, scale, dropout, token order, overlap, window, whether the log-sum-exp
-is returned: :data:`OPTIONS`, what the ranks compare) and where it runs (groups, first head, the
-caller's checks and kernel, the check mode).  It is built when a call site's first signature is
-prepared (a steady-state call is keyed by the caller's plain choices and builds nothing); the
-cache, the prepared call, the validator and the kernels read it by field name.  What changes per
-call (masks, bias, document boundaries, sinks) travels beside it in one :class:`CallTensors`,
-whose fields' treatment is one table (:data:`PER_CALL`).
-
-What a kernel can take -- the built-in names, whether one is installed here, flash-attn's head dims
-and dropout / MLA support, the keywords a callable declares -- is data here too, so validation reads
-it without importing a kernel (validation stands beside the kernels, not between the call and them).
-
-Adding an option: a field of :class:`CallSite` and its name in :data:`OPTIONS` (and in
-:meth:`CallSite.kernel_keywords` when the kernels take it), its check in
-:mod:`ulysses_mcore.validation.checks`, and the kernels that implement it; the record the ranks
-compare follows from :data:`OPTIONS` (docs/design.md).  Values are stored as given (a bad one is
-the validator's to report, the same on every rank); only a ``window_size`` list becomes a tuple,
-so the record stays hashable.
+:class:`CallSite`: what stays the same from call to call at one call site -- the options the ranks
+compare (:data:`OPTIONS`) and where it runs (groups, first head, the caller's checks and kernel,
+the check mode); built when the site's first signature is prepared.  :class:`CallTensors`: what
+changes per call (masks, bias, boundaries, sinks), its fields' treatment one table
+(:data:`PER_CALL`).  What a kernel can take is data here too, so validation reads it without
+importing a kernel.  Adding an option: a :class:`CallSite` field and its name in :data:`OPTIONS`
+(and in :meth:`CallSite.kernel_keywords`), its check in :mod:`ulysses_mcore.validation.checks`,
+the kernels that implement it.  Values are stored as given (a bad one is the validator's to report).
 """
 
 from __future__ import annotations
@@ -170,17 +159,14 @@ OPTIONS = (  # a call site's options: what the math is, compared across the rank
 
 @dataclass(frozen=True)
 class CallSite:
-    """Everything fixed at one call site, resolved once (see the module docstring).  Hashable: it is
-    part of the key of a prepared call.
-
+    """Everything fixed at one call site, resolved once; hashable (part of a prepared call's key).
     The options (:data:`OPTIONS`): ``causal``; ``layout`` "sbhd" | "bshd" | "thd"; ``backend``
-    "sdpa" | "flash" | "te" | a callable kernel; ``softmax_scale`` (None: 1/sqrt(d)); ``dropout_p``;
+    "sdpa" | "flash" | "te" | a callable; ``softmax_scale`` (None: 1/sqrt(d)); ``dropout_p``;
     ``token_order`` "contiguous" | "load_balanced" | "per_document"; ``overlap_chunks``;
-    ``window_size`` (left, right), -1 unbounded; ``return_lse``.  Where it runs: ``group`` and
-    ``ring_group`` (the Ulysses and ring process groups), ``first_head`` (the model's index of the
-    first query head held here), ``checks`` (the caller's own, hashable ``(name, value)`` pairs,
-    e.g. a module's expected heads), ``kernel`` (the caller's own kernel object: a module's
-    Transformer Engine child), ``check`` (``True``, ``False``, ``"every_call"``)."""
+    ``window_size`` (left, right), -1 unbounded; ``return_lse``.  Where it runs: ``group``,
+    ``ring_group``, ``first_head`` (the model's index of the first query head here), ``checks`` (the
+    caller's ``(name, value)`` pairs), ``kernel`` (the caller's kernel object), ``check`` (``True``,
+    ``False``, ``"every_call"``)."""
 
     causal: bool
     layout: str = "sbhd"

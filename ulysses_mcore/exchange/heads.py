@@ -1,10 +1,6 @@
-"""Which heads go where: the head plan of a Ulysses exchange and the layouts it reads.
-
-A :class:`HeadPlan` says, per destination rank ``j`` of a Ulysses group of ``P`` ranks, the range
-of query heads it computes (``h/P`` each when ``P`` divides ``h``, else the first ``h % P`` ranks one
-more) and the kv heads those query heads use (query heads of one kv group are contiguous in
-Megatron's QKV layout); :func:`head_layout_error` / :func:`overlap_error` say why a head count does
-not fit.  Pure arithmetic: the exchange (:mod:`ulysses_mcore.exchange.routes`) carries the plan out.
+"""Which heads go where: a :class:`HeadPlan` gives, per destination rank of a Ulysses group, its
+query heads (an even split, or the first ``h % P`` ranks one more) and the kv heads they use;
+:func:`head_layout_error` / :func:`overlap_error` say why a head count does not fit.  Pure arithmetic.
 """
 
 from __future__ import annotations

@@ -1,18 +1,7 @@
-"""Token orders of a sharded sequence, and the permutations that undo them around the kernel.
-
-After the q/k/v all-to-all a rank holds the whole sequence as the concatenation of the ranks'
-shards (rank 0's tokens, then rank 1's, ...): the *received* order.  The kernel needs the
-*natural* order when the shards are not contiguous blocks:
-
-* ``"contiguous"``: rank ``r`` holds block ``r`` -- received is natural, nothing to do;
-* ``"load_balanced"``: Megatron's context-parallel dual-chunk shard -- the sequence is cut into
-  ``2P`` chunks and rank ``r`` holds chunks ``r`` and ``2P-1-r`` (:func:`load_balanced_permutation`);
-* ``"per_document"``: Transformer Engine's / Megatron-LM's THD layout, every document dealt out
-  in dual chunks (:func:`per_document_order`).
-
-:func:`token_orders` works out, once per prepared call, the index tensors that reorder the
-gathered sequence (one ``index_select`` each way); per-document orders depend on the batch's
-document boundaries and are computed per call, vectorised.
+"""Token orders of a sharded sequence (``"contiguous"``, ``"load_balanced"``: Megatron's dual
+chunks, ``"per_document"``: the THD layout's) and the index tensors that turn the received order
+(rank 0's tokens, then rank 1's, ...) into the natural one around the kernel and back: worked out
+once per prepared call, per batch for per-document orders.
 """
 
 from __future__ import annotations
@@ -42,12 +31,9 @@ def document_ids(cu_seqlens: torch.Tensor, total: int, device=None) -> torch.Ten
 
 
 class PerBatch(threading.local):
-    """What is derived from the current micro-batch's document tensors, computed once per micro-batch:
-    every layer passes the same ``cu_seqlens`` tensor, so its values on the host (the ``sdpa``
-    per-document loop on the CPU, the ring's block skipping) and the document lengths are worked out
-    by the first layer and read by the rest.  One slot per kind, holding the last tensor it was given
-    (and its version): a new micro-batch's tensor replaces it.  Per thread (ranks of a threaded world
-    share the module)."""
+    """What is derived from the current micro-batch's document tensors (their host values, the
+    document lengths), worked out by the first layer that meets a tensor and read by the rest: one
+    slot per kind holding the last tensor given (and its version), per thread."""
 
     def __init__(self):
         self.slots: dict = {}
@@ -114,6 +100,12 @@ def _reorders(order: torch.Tensor, sd: int) -> Tuple[Reorder, Reorder]:
     """(received -> natural, natural -> received) for ``order[i]`` = natural position of received token i."""
     inv = _inverse(order)
     return (lambda t: t.index_select(sd, inv)), (lambda t: t.index_select(sd, order))
+
+
+def held_bytes(token_order: str, seq_len: int) -> int:
+    """Bytes of the index tensors :func:`token_orders` keeps for a sequence of ``seq_len`` tokens (an
+    order and its inverse, int64, for ``"load_balanced"``; per-document orders are made per call)."""
+    return 2 * seq_len * torch.empty((), dtype=torch.long).element_size() if token_order == "load_balanced" else 0
 
 
 def token_orders(

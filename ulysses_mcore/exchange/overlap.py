@@ -1,20 +1,7 @@
-"""Ulysses attention with communication overlapped with computation (head chunks).
-
-The heads each rank computes are cut into ``C`` chunks.  Forward: every chunk's q/k/v
-all-to-all is issued asynchronously up front; chunk ``c``'s attention runs while chunks
-``c+1 ...`` are still in flight, and its output all-to-all is issued (async) as soon as it
-is computed, overlapping the next chunk's attention.  Backward mirrors it: the output
-gradients of every chunk travel asynchronously, chunk ``c``'s kernel backward runs while
-later chunks arrive, and its dq/dk/dv all-to-all overlaps chunk ``c+1``'s backward.
-
-Chunk ``c`` holds, for every destination rank ``j``, query heads
-``j*q/P + c*q/(P*C) ...`` and the kv heads they use: itself a regular Ulysses exchange of
-``P*q/(P*C)`` query heads, so it runs on :mod:`ulysses_mcore.exchange.pair`'s own routes (pack,
-start, received; start_grad, unpack_grad) with the chunk's ``[A, B, P, n, d]`` head views.
-Needs ``C`` to divide the query and kv heads per rank (kv replication, ``kv heads < P``,
-allows C = 1 only).  Collectives: ``2C`` forward, ``2C`` backward.  ``C = 1`` is the plain
-path in :mod:`ulysses_mcore.attention`.  The kernel runs under autograd inside this function's
-forward (its backward replays it chunk by chunk).
+"""Ulysses attention with the all-to-alls overlapped with the kernel, head chunk by head chunk:
+``C`` chunks, each a regular exchange of its heads on :mod:`ulysses_mcore.exchange.routes`' own
+routes; forward and backward each ``2C`` asynchronous collectives, chunk ``c``'s kernel running
+while the others travel (docs/design.md, "The core, module by module").
 """
 
 from __future__ import annotations

@@ -1,21 +1,7 @@
-"""The exchange: the one pair of autograd all-to-alls between token-sharded and head-sharded.
-
-A (token, head) cell has an owner.  Outside core attention rank ``r`` of a Ulysses group of
-size ``P`` owns tokens ``r*s/P ... (r+1)*s/P - 1`` with every head; inside it, every token with
-a band of heads.  Two collectives move ownership:
-
-``SeqToHead``  q, k, v ``[s/P, b, h, d]``  ->  ``[s, b, h_r, d]``   (ONE all_to_all_single)
-``HeadToSeq``  out      ``[s, b, h_r, d]``  ->  ``[s/P, b, h, d]``  (ONE all_to_all_single)
-
-Which heads go where is one :class:`~ulysses_mcore.exchange.heads.HeadPlan`; everything that depends only
-on the call's shape (buffer shapes, split sizes) is one :class:`~ulysses_mcore.exchange.routes.QkvRoute` /
-:class:`~ulysses_mcore.exchange.routes.OutRoute`, worked out once and kept by the prepared call
-(:mod:`ulysses_mcore.call`); the collective and its buffers are :mod:`ulysses_mcore.exchange.transport`.
-This module is the autograd pair over them, and the log-sum-exp's ride on the output's exchange.
-
-Copies per direction (each touches every element once): pack 1, unpack 0 (``sbhd``) or 1
-(``bshd`` with b > 1); the output: pack 0-1, unpack 1; the backward mirrors it.  The single-rank
-references the exchange is tested against live in ``tests/helpers.py``.
+"""The one pair of autograd all-to-alls between token-sharded and head-sharded tensors:
+``SeqToHead`` (q, k, v ``[s/P, b, h, d]`` -> ``[s, b, h_r, d]``) and ``HeadToSeq`` (the output
+back), each ONE ``all_to_all_single`` over the routes of :mod:`ulysses_mcore.exchange.routes`,
+and the log-sum-exp's ride on the output's exchange.
 """
 
 from __future__ import annotations

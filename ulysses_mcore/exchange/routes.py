@@ -1,13 +1,6 @@
-"""Routes: everything about an exchange that depends only on the call's shape, worked out once.
-
-A :class:`QkvRoute` (q, k, v token shards -> this rank's heads over the full sequence) and an
-:class:`OutRoute` (the output back) hold buffer shapes, split sizes and where each part sits, so a
-steady-state call does the copies and the collective, no bookkeeping.  Q, K and V cross in one
-packed buffer: block ``j`` holds rank ``j``'s query heads followed by its kv heads, so the received
-buffer *is* the attention input (``sbhd``: source rank == token block, a view, zero copies).  The
-routes' ``start`` / ``finish`` steps are also what :mod:`ulysses_mcore.exchange.overlap` pipelines, per head
-chunk, asynchronously.  Layout logic lives in :func:`~ulysses_mcore.exchange.heads.seq_dim` and the two
-``_recv_as_layout`` / ``_by_block`` helpers only.
+"""Routes: everything about an exchange that depends only on the call's shape, worked out once:
+buffer shapes, split sizes and each part's place (:class:`QkvRoute`, :class:`OutRoute`).  Q, K and
+V cross in one packed buffer whose received form *is* the attention input (``sbhd``: a view).
 """
 
 from __future__ import annotations

@@ -26,17 +26,11 @@ def size_class(n: int) -> int:
 
 
 class BufferPool(threading.local):
-    """A free list of CPU buffers for the exchange, per thread, by size class, bounded in bytes.
-
-    On the CPU every fresh multi-MB tensor costs a page fault per 4 KB on first touch
-    (measured: 20 ms for 25 MB -- as long as the all-to-all itself), and glibc returns large
-    blocks to the OS on free, so each call would pay it again.  Buffers are flat, of a size class
-    (:func:`size_class`), handed out as a view of the shape asked for when nothing else references
-    their storage any more, else a new one is allocated and kept (up to ``per_size`` per class) while
-    the pool holds at most ``max_bytes`` -- past that the classes used longest ago are dropped first.
-    Shapes that change from call to call (``--dynamic-ulysses``) share a few classes, so memory stays
-    flat.  CUDA tensors bypass it (the caching allocator does this), and so do buffers under
-    ``min_bytes``.  ``enabled = False`` turns it off; :meth:`clear` returns the memory."""
+    """A free list of CPU buffers for the exchange, per thread, by size class (:func:`size_class`),
+    bounded in bytes (``max_bytes``: the classes used longest ago go first; at most ``per_size`` a
+    class).  A buffer is handed out as a view of the shape asked for when nothing else references its
+    storage.  CUDA tensors and buffers under ``min_bytes`` bypass it; ``enabled = False`` turns it
+    off; :meth:`clear` returns the memory (why: docs/design.md, "CPU buffer pool")."""
 
     per_size = 64
     min_bytes = 1 << 17  # below glibc's mmap threshold (128 KB) malloc reuses its heap: nothing to save

@@ -1,12 +1,6 @@
-"""One block of the log-sum-exp engine: a (query segment, key segment) pair's scores, its fused
-kernel where one applies, and its gradients given the final output and log-sum-exp.
-
-:mod:`ulysses_mcore.kernels.ring` walks the blocks (over the ring, or one rank's own for the ``sdpa``
-backend's windows, sinks and MLA) and merges them; everything a single block needs is here:
-the window a call reaches (:func:`attention_window`), tiles of segments (:func:`tile_segments`),
-a block's mask from causality, the window, documents, a mask or a bias (:class:`Block`), torch's
-fused flash kernel of the device (:func:`fused_kernel`) and the matmul form's gradients
-(:func:`block_grads`).
+"""One block of the log-sum-exp engine: a (query segment, key segment) pair's window and mask
+(:class:`Block`), torch's fused flash kernel of the device where it applies (:func:`fused_kernel`)
+and the matmul form's gradients given the final output and log-sum-exp (:func:`block_grads`).
 """
 
 from __future__ import annotations
@@ -195,9 +189,11 @@ def fused_forward(q, k, v, blk):
     return out.view(b, hk, g, n, d), lse.view(b, hk, g, n)
 
 
-def _seq_starts(b: int, n: int, device) -> torch.Tensor:
-    """``[0, n, 2n, ..., b*n]`` (int32): ``b`` sequences of ``n`` tokens for the varlen kernel."""
-    return torch.arange(0, (b + 1) * n, n, dtype=torch.int32, device=device)
+def _varlen_keywords(b: int, n: int, kn: int, device) -> dict:
+    """The CUDA varlen flash kernel's sequence keywords for ``b`` sequences of ``n`` queries and
+    ``kn`` keys (boundaries ``[0, n, 2n, ..., b*n]``, int32), no dropout."""
+    starts = lambda m: torch.arange(0, (b + 1) * m, m, dtype=torch.int32, device=device)  # noqa: E731
+    return dict(cum_seq_q=starts(n), cum_seq_k=starts(kn), max_q=n, max_k=kn, dropout_p=0.0)
 
 
 def _varlen_rows(t):
@@ -211,16 +207,9 @@ def _cuda_forward(q, k, v, blk):
     out and lse): ``(out [b, hk, g, n, dv]`` in q's dtype, ``lse [b, hk, g, n]`` fp32)."""
     b, hk, g, n, d = q.shape
     kn = k.shape[3]
-    out, lse = _CUDA_FLASH(
-        *(_varlen_rows(t) for t in (q, k, v)),
-        cum_seq_q=_seq_starts(b, n, q.device),
-        cum_seq_k=_seq_starts(b, kn, q.device),
-        max_q=n,
-        max_k=kn,
-        dropout_p=0.0,
-        return_debug_mask=False,
-        **_cuda_window(blk),
-    )[:2]
+    rows = (_varlen_rows(t) for t in (q, k, v))
+    kw = _varlen_keywords(b, n, kn, q.device) | _cuda_window(blk)
+    out, lse = _CUDA_FLASH(*rows, return_debug_mask=False, **kw)[:2]
     return out.view(b, n, hk, g, -1).permute(0, 2, 3, 1, 4), lse.view(hk, g, b, n).permute(2, 0, 1, 3)
 
 
@@ -242,18 +231,10 @@ def _cuda_backward(blk, tensors):
     do, q, k, v, out, lse = tensors
     b, hk, g, n, d = q.shape
     kn = k.shape[3]
-    gq, gk, gv = _CUDA_FLASH_BWD(
-        *(_varlen_rows(t) for t in (do, q, k, v, out)),
-        logsumexp=lse.permute(1, 2, 0, 3).reshape(hk * g, b * n).contiguous(),
-        cum_seq_q=_seq_starts(b, n, q.device),
-        cum_seq_k=_seq_starts(b, kn, q.device),
-        max_q=n,
-        max_k=kn,
-        dropout_p=0.0,
-        rng_state=torch.zeros(2, dtype=torch.uint64, device=q.device),  # no dropout
-        unused=torch.empty(0, device=q.device),
-        **_cuda_window(blk),
-    )
+    rows = (_varlen_rows(t) for t in (do, q, k, v, out))
+    kw = _varlen_keywords(b, n, kn, q.device) | _cuda_window(blk)
+    kw |= dict(rng_state=torch.zeros(2, dtype=torch.uint64, device=q.device), unused=torch.empty(0, device=q.device))
+    gq, gk, gv = _CUDA_FLASH_BWD(*rows, logsumexp=lse.permute(1, 2, 0, 3).reshape(hk * g, b * n).contiguous(), **kw)
     return (
         gq.view(b, n, hk, g, d).permute(0, 2, 3, 1, 4),
         gk.view(b, kn, hk, 1, d).permute(0, 2, 3, 1, 4),
@@ -269,17 +250,9 @@ def _fused_backward(blk, tensors):
         return _cuda_backward(blk, tensors)
     b, hk, g, n, d = q.shape
     flat = lambda t: t.reshape(b, hk * g, *t.shape[3:])  # noqa: E731
-    gq, gk, gv = _CPU_FLASH_BWD(
-        flat(do),
-        flat(q),
-        _expand4(k, g),
-        _expand4(v, g),
-        flat(out),
-        logsumexp=flat(lse).contiguous(),
-        dropout_p=0.0,
-        is_causal=blk.windowed,
-        scale=blk.scale,
-    )
+    rows = (flat(do), flat(q), _expand4(k, g), _expand4(v, g), flat(out))
+    kw = dict(logsumexp=flat(lse).contiguous(), dropout_p=0.0, is_causal=blk.windowed, scale=blk.scale)
+    gq, gk, gv = _CPU_FLASH_BWD(*rows, **kw)
     kn = k.shape[3]
     return (
         gq.view(b, hk, g, n, d),

@@ -1,21 +1,9 @@
-"""Inner attention kernels, run on the gathered sequence for this rank's heads.
-
-Every kernel takes ``q [S, b, hq, d]`` (``sbhd``) or ``[b, S, hq, d]`` (``bshd``) and
-``k, v`` with ``hk`` heads (``hq % hk == 0``: grouped-query attention is the kernel's
-job), and returns the output in the same layout.  Nothing here knows about ranks.
-
-* ``sdpa``  -- ``torch.nn.functional.scaled_dot_product_attention``: CPU and GPU, masks,
-  additive bias, dropout.
-* ``flash`` -- flash-attn 2/3 ``flash_attn_func`` (CUDA, fp16/bf16, causal or none).
-* ``te``    -- Transformer Engine ``DotProductAttention`` with its own context
-  parallelism off (CUDA).
-* any callable ``(q, k, v, *, causal, softmax_scale) -> out``; one that declares ``heads``
-  receives the global ``(first, last + 1)`` query heads it holds (to index its own per-head
-  parameters), and ``window_size`` / ``softmax_offset`` / ``return_lse`` when it declares them.
-
-Megatron's mask convention is kept: a boolean ``attention_mask`` is True where attention
-is *not* allowed, broadcastable to ``[b, hq, S, S]``.  A query row with no allowed key
-gives a zero output row (torch's convention).
+"""The kernel registry: a backend name (``sdpa``, ``flash``, ``te``) or a callable -> the kernel run
+on the gathered sequence for this rank's heads.  Every kernel takes ``q [S, b, hq, d]`` (``sbhd``)
+or ``[b, S, hq, d]`` (``bshd``) and ``k, v`` with ``hk`` heads (``hq % hk == 0``), Megatron's mask
+convention (True = not allowed), and returns the output in the same layout; a callable that
+declares ``heads`` gets the global query heads it holds, and ``window_size`` / ``softmax_offset``
+/ ``return_lse`` when it declares them.  Nothing here knows about ranks.
 """
 
 from __future__ import annotations

@@ -1,27 +1,8 @@
 """Ring attention over the ring context-parallel group: the tiled log-sum-exp engine
-(:mod:`ulysses_mcore.kernels.tiled`) with the key/value blocks travelling round the ring.
-
-Used by the hybrid Ulysses x ring path: after the Ulysses all-to-all a rank holds, for its
-band of heads, the tokens of its *ring* shard; the ring then passes key/value blocks around
-the ``cp`` group so every query meets every key.  On GPU the same job is Transformer
-Engine's p2p context parallelism (``backend="te"``); this is the portable version (CPU/gloo, or
-any backend), exact and testable here.
-
-Token order: ring rank ``j`` of ``C`` holds chunks ``j`` and ``2C-1-j`` of ``2C`` equal
-chunks (``"load_balanced"``, Megatron's dual-chunk order: every rank gets the same causal
-work) or chunk ``j`` of ``C`` (``"contiguous"``).  A rank's tokens are a few *segments* of
-global positions; each (query segment, key segment) pair is skipped when causality hides
-it entirely, computed without a mask when it lies wholly below the diagonal, and with the
-causal triangle otherwise.  Masks and additive bias cover the full sequence, indexed by
-global positions.
-
-Forward: ``C`` steps; at step ``t`` rank ``j`` holds the k/v block of rank ``(j - t) % C``
-and, while it computes with it, passes it on to ``j + 1`` (an asynchronous ring shift,
-``C - 1`` in all).  Backward: the same ring with ``dk``/``dv`` partial sums travelling behind
-their block (each rank adds its part and passes it on while computing the next block), plus
-one last shift that brings each block's gradient home.  The shift is an ``all_to_all_single``
-with split sizes (send to the next rank, receive from the previous one): one primitive that
-gloo, NCCL and the threaded test backend all have.
+(:mod:`ulysses_mcore.kernels.tiled`) with the key/value blocks travelling round the ring -- the
+portable version (CPU/gloo, any backend) of Transformer Engine's p2p context parallelism.
+``C`` asynchronous shifts forward; in the backward the ``dk``/``dv`` partial sums travel behind
+their block and one last shift brings them home (docs/design.md, "The core, module by module").
 """
 
 from __future__ import annotations

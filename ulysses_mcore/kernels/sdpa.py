@@ -1,9 +1,7 @@
-"""The ``sdpa`` kernel: ``torch.nn.functional.scaled_dot_product_attention`` on the gathered
-sequence, CPU and GPU, with Megatron's masks (True = masked), an additive bias and dropout;
-packed documents through torch's varlen flash kernel (CUDA half precision) or one call per
-document; what SDPA cannot express (a window, sinks, the log-sum-exp, on the CPU value heads of
-another size and row-broadcast masks) through the tiled log-sum-exp engine
-(:func:`ulysses_mcore.kernels.tiled.lse_attention`)."""
+"""The ``sdpa`` kernel: torch's ``scaled_dot_product_attention`` on the gathered sequence with
+Megatron's masks, a bias and dropout; packed documents through torch's varlen flash kernel or one
+call per document; a window, sinks, the log-sum-exp and (on the CPU) MLA through the tiled engine.
+"""
 
 from __future__ import annotations
 
@@ -64,18 +62,12 @@ def sdpa_attention(
     heads: Optional[Tuple[int, int]] = None,
     max_seqlen: Optional[int] = None,
 ):
-    """Scaled dot-product attention in ``layout``; zero-copy views in and out.
-
-    ``cu_seqlens`` (packed documents, ``sbhd`` with b = 1): one SDPA call per document, so
-    memory follows the longest document, never the whole stream squared.  ``seqlens``: real
-    lengths inside padded slots; pad tokens are neither queries nor keys (zero output).
-
-    What SDPA cannot express -- ``window_size=(left, right)``, ``softmax_offset`` (per-head sink
-    logits, ``[hq]`` of the heads given here), ``return_lse`` (then ``(out, lse)``) -- and, on the
-    CPU, value heads of another size and masks / biases broadcast over the query rows (SDPA would
-    hold ``[s, s]`` scores for them) run through the tiled log-sum-exp kernel
-    (:func:`ulysses_mcore.kernels.tiled.lse_attention`): exact, memory ``O(s x tile)``,
-    tiles outside the window skipped.  ``heads``: the global query heads held (unused here)."""
+    """Scaled dot-product attention in ``layout``; zero-copy views in and out.  ``cu_seqlens``
+    (packed documents, ``sbhd`` with b = 1): one SDPA call per document; ``seqlens``: real lengths
+    inside padded slots (pad tokens: zero output).  ``window_size``, ``softmax_offset`` (``[hq]``
+    sink logits), ``return_lse`` (then ``(out, lse)``) and, on the CPU, value heads of another size
+    and row-broadcast masks run through :func:`ulysses_mcore.kernels.tiled.lse_attention` (memory
+    ``O(s x tile)``).  ``heads``: the global query heads held (unused here)."""
     if options_set(window_size, softmax_offset, return_lse) or (
         cu_seqlens is None and cpu_prefers_lse_kernel(q, v, attention_mask, attention_bias, dropout_p)
     ):

@@ -13,13 +13,10 @@ from .varlen import kernel_window, varlen_args
 
 
 def te_mask_type(causal: bool, packed: bool, mask_shape=None) -> Tuple[str, bool]:
-    """``(attn_mask_type, fold)`` for Transformer Engine: ``fold`` = causality must be folded into
-    the mask itself.  Packed documents: TE's padding types with ``cu_seqlens``.  A key-padding mask
-    ``[b|1, 1, 1, s]``: the padding types (TE turns it into per-sequence lengths, so padding sits at
-    the end of each sequence, Megatron's convention).  A full ``[b|1, h|1, s, s]`` mask:
-    ``"arbitrary"`` with causality folded in (TE has no causal variant of an arbitrary mask; it runs
-    its unfused kernel: use ``sdpa`` for such masks at length).  No mask: ``causal`` / ``no_mask``
-    (TE's flash and fused kernels)."""
+    """``(attn_mask_type, fold)`` for Transformer Engine (``fold``: causality folded into the mask).
+    Packed documents and key-padding masks ``[b|1, 1, 1, s]``: TE's padding types; a full
+    ``[b|1, h|1, s, s]`` mask: ``"arbitrary"`` with causality folded in (TE's unfused kernel: use
+    ``sdpa`` for such masks at length); no mask: ``causal`` / ``no_mask``."""
     if packed or (mask_shape is not None and mask_shape[-2] == 1):
         return ("padding_causal" if causal else "padding"), False
     if mask_shape is not None:

@@ -1,25 +1,9 @@
 """The tiled log-sum-exp engine: exact attention of this rank's queries against key blocks, merged
-by log-sum-exp, block after block (:mod:`ulysses_mcore.kernels.blocks` scores one block).
-
-Per query row ``i``::
-
-    out_i = sum_blocks exp(lse_blk_i - lse_i) * out_blk_i,   lse_i = logsumexp_blocks lse_blk_i
-
-Blocks without a mask, bias or document boundary run through torch's fused flash kernel of
-their device, in the input dtype (the CPU one in fp32 / bf16, the CUDA one in fp16 / bf16), which
-returns the log-sum-exp the merge needs; its backward is fed the final output and log-sum-exp.
-Only the merge accumulates in fp32.  The rest (masks, bias, documents, windows, fp64, value heads
-of another size) runs the matmul form in fp32, one tile of at most ``LSE_TILE`` x ``LSE_TILE``
-tokens at a time.
-
-Alone (``ring=None``, the whole sequence here) it is the ``sdpa`` backend's kernel for what SDPA
-cannot express: a sliding window ``(left, right)`` (tiles outside the window never computed:
-memory ``O(s x tile)``), attention sinks (one extra key per head whose score is the sink logit and
-whose value is 0: ``lse' = logaddexp(lse, sink)``, ``out' = out * exp(lse - lse')``; the backward
-is unchanged given the final out and lse, plus ``d sink = -sum_i exp(sink - lse'_i) D_i``), value
-heads of another size (MLA), and the log-sum-exp as a differentiable output (``d lse_i / d s_ij =
-p_ij``: the row term ``D_i`` becomes ``D_i - dlse_i``).  Given a ring
-(:class:`ulysses_mcore.kernels.ring.Ring`), the key blocks travel round it while they are used.
+by log-sum-exp block after block (:mod:`ulysses_mcore.kernels.blocks` scores one block).  Plain
+blocks run torch's fused flash kernel of the device; masks, bias, documents, windows, fp64 and
+value heads of another size run the matmul form one ``LSE_TILE`` tile at a time.  Alone it is the
+``sdpa`` backend's kernel for windows, sinks, MLA and a differentiable log-sum-exp; given a
+:class:`~ulysses_mcore.kernels.ring.Ring` the key blocks travel round it (docs/design.md).
 """
 
 from __future__ import annotations

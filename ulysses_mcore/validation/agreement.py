@@ -1,7 +1,7 @@
 """The per-call agreements of ``check="every_call"`` and the trainer: a call signature as a digest
-that is the same in every process, and one small all-reduce that tells every rank of a group
-whether they all hold the same value (so a rank never raises alone, and never enters a collective
-its peers skip)."""
+that is the same in every process, and one small all-reduce that tells a group whether every rank
+holds the same value (so a rank never raises alone).
+"""
 
 from __future__ import annotations
 

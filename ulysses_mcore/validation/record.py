@@ -1,19 +1,7 @@
-"""Input validation that ends the same way on every rank, once per call signature.
-
-A rank that raises before a collective its peers have entered leaves them hanging.  So no
-rank raises on what it sees alone: it writes its inputs, and any problem it finds in them,
-into a typed :class:`CallRecord`; the group exchanges the records (one small
-``all_gather_object``); every rank runs the same pure function (:func:`verdict`) over all of
-them and raises the same ``ValueError``, or none does.
-
-That exchange costs a collective and host work, so :func:`check_call` runs once per call
-*signature* (shapes, dtypes, devices, the options record, groups -- all known on the host
-without a device sync): :class:`ulysses_mcore.call.CallCache` prepares a validated signature
-once and later calls with it validate nothing.  Packed-sequence boundaries (``cu_seqlens``) are
-compared in full, value by value, on the first call of a signature; later batches -- whatever their
-number of documents: boundaries are not part of a signature, so a new micro-batch costs no
-collective and no host read -- are trusted, as Transformer Engine trusts them.  All ranks of a group must change
-signature together (they run the same model on the same kind of batch).
+"""Input validation that ends the same way on every rank, once per call signature: each rank writes
+its inputs and any problem it sees into a :class:`CallRecord`, the group exchanges the records
+(one ``all_gather_object``), and every rank runs the same pure :func:`verdict` -- the same
+``ValueError`` everywhere, or none (docs/design.md, "Validation off the hot path").
 """
 
 from __future__ import annotations
