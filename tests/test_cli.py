@@ -38,7 +38,8 @@ def _venv_with_wheel(tmp_path):
     """A fresh venv holding the wheel (not editable); torch and megatron-core reused from this
     environment through a path entry (its own .pth files, the editable install among them, are not read)."""
     dist = tmp_path / "dist"
-    run = dict(capture_output=True, text=True, timeout=600)
+    clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # pip must not see a checkout as installed
+    run = dict(capture_output=True, text=True, timeout=600, env=clean)
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(dist), ROOT], **run)
     assert r.returncode == 0, r.stderr[-2000:]
     (wheel,) = dist.glob("ulysses_mcore-*.whl")
