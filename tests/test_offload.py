@@ -44,6 +44,19 @@ def test_offloaded_checkpoints_give_the_same_gradients_and_return_every_byte():
     assert enable_activation_offload(model) is stats  # once per model
 
 
+def test_chunks_sharing_one_record_count_one_host_peak():
+    """Two model chunks of a pipeline stage (the interleaved schedule) counted in one record: both
+    chunks' forwards held before either backward peak at the sum, and everything comes back."""
+    first, second = Blocks(), Blocks(n=2)
+    x = torch.randn(64, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    stats = enable_activation_offload(first, min_bytes=1, copy_host=True)
+    assert enable_activation_offload(second, min_bytes=1, copy_host=True, stats=stats) is stats
+    y = second(first(x.requires_grad_()))  # the schedule's order: chunk 0, then chunk 1, then the backwards
+    y.square().sum().backward()
+    assert stats["tensors"] == 4 + 2 and stats["host_bytes"] == 0
+    assert stats["peak_host_bytes"] == (4 + 2) * 64 * 32 * 8
+
+
 class Recording(HostOffload):
     """Records each copy back (by host buffer) and, at each unpack, how many copies had started."""
 
