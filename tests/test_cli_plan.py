@@ -64,6 +64,25 @@ def test_longest_takes_megatron_lms_model_flags_and_ends_with_the_dry_run(capsys
     assert f"--seq-length {seq} " in lines[-1] and lines[-1].endswith("--world-size 8 --preset h100")
 
 
+def test_longest_with_bf16_gradients_plans_longer_and_passes_the_flag_on(capsys):
+    """--grad-reduce-in-bf16 is the user's choice: the plan keeps it in its memory flags and its dry run
+    command, and the halved gradient buffer leaves room for a longer sequence; without --longest it
+    needs --bf16."""
+    model = "--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --num-query-groups 8 --ffn-hidden-size 14336"
+    model += " --swiglu --vocab-size 128256 --untie-embeddings-and-output-weights"
+    longest = {}
+    for extra in ([], ["--grad-reduce-in-bf16"]):
+        assert plan.main(["--longest", "--world-size", "1", *model.split(), *extra]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        longest[bool(extra)] = int(lines[0].rsplit(": ", 1)[1].split()[0].replace(",", ""))
+        flags = next(ln for ln in lines if ln.strip().startswith("memory flags:"))
+        assert ("--grad-reduce-in-bf16" in flags) == bool(extra)
+        assert ("--grad-reduce-in-bf16" in lines[-1]) == bool(extra)
+    assert longest[True] > 1.5 * longest[False]
+    with pytest.raises(SystemExit, match="--grad-reduce-in-bf16 keeps bf16 gradients of bf16 weights: add --bf16"):
+        plan.main([*FLAGS, "--grad-reduce-in-bf16"])
+
+
 def test_longest_needs_a_world_size():
     with pytest.raises(SystemExit, match="--world-size"):
         plan.main(["--longest", *FLAGS])

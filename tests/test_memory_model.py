@@ -48,6 +48,18 @@ def test_longest_sequence_fits_and_one_step_more_does_not():
     assert longest_sequence(1e9, step, **kw) == 0  # the states alone exceed 1 GB
 
 
+def test_bf16_gradient_reduction_halves_the_gradient_buffer_only():
+    """--grad-reduce-in-bf16 with --bf16: DDP's buffer at 2 bytes a parameter; without bf16 weights it
+    changes nothing (Megatron keeps fp32 gradients of fp32 weights)."""
+    fp32_grads, bf16_grads = estimate(**LLAMA8B), estimate(grad_reduce_in_bf16=True, **LLAMA8B)
+    assert bf16_grads["grads_bytes"] == pytest.approx(fp32_grads["grads_bytes"] / 2)
+    assert bf16_grads["grads_bytes"] == pytest.approx(2 * fp32_grads["params_per_rank"])
+    for key in ("weights_bytes", "optimizer_bytes", "activations_bytes"):
+        assert bf16_grads[key] == fp32_grads[key]
+    fp32 = dict(LLAMA8B, bf16=False)
+    assert estimate(grad_reduce_in_bf16=True, **fp32)["grads_bytes"] == estimate(**fp32)["grads_bytes"]
+
+
 def test_unknown_inputs_are_refused():
     with pytest.raises(TypeError, match="num_layer"):
         estimate(num_layer=2, hidden_size=64, num_attention_heads=4)

@@ -11,7 +11,7 @@ from ..planning.memory_model import estimate, longest_sequence
 from ..devtools.flags import explain
 from ..planning.calibration import Calibration, CalibrationError
 from ..planning.shape import ModelShape
-from ..planning.longest import MEMORY_FLAGS, Cluster, dryrun_command, longest
+from ..planning.longest import Choices, Cluster, dryrun_command, longest
 from ..planning.step_time import PRESETS, Run, predict
 from ..topology import Topology
 
@@ -33,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--bf16", action="store_true")
+    p.add_argument("--grad-reduce-in-bf16", action="store_true")
     p.add_argument("--swiglu", action="store_true")
     p.add_argument("--recompute", choices=["full"], default=None)
     p.add_argument(
@@ -76,6 +77,8 @@ PLAN_HELP = {
     "--cp": "ring context-parallel ranks (default: %(default)s)",
     "--pp": "pipeline stages (default: %(default)s)",
     "--bf16": "bf16 weights and activations (fp32 gradients, master weights, Adam state)",
+    "--grad-reduce-in-bf16": "with --bf16 (or --longest): DDP's gradients kept and summed in bf16 -- half the "
+    "gradient buffer, sums rounded to bf16 (Megatron-LM's opt-in)",
     "--swiglu": "SwiGLU MLP (fc1 twice as wide)",
     "--recompute": "full activation recompute (only each layer's input kept)",
     "--loss-chunk-tokens": "the chunked loss's tokens per chunk (only one chunk's logits live)",
@@ -115,6 +118,7 @@ def _model_keywords(a) -> dict:
         loss_chunk_tokens=a.loss_chunk_tokens,
         mlp_chunk_tokens=a.mlp_chunk_tokens,
         torch_adam=a.torch_adam,
+        grad_reduce_in_bf16=a.grad_reduce_in_bf16,
     )
 
 
@@ -181,7 +185,8 @@ def _longest(a) -> int:
     if a.group_query_attention and a.num_query_groups is None:
         a.num_query_groups = 1  # Megatron-LM's default
     cluster = Cluster(a.world_size, a.preset)
-    plans = longest(ModelShape.from_args(a), cluster, tied=not a.untie_embeddings_and_output_weights)
+    choices = Choices(tied=not a.untie_embeddings_and_output_weights, bf16_grads=a.grad_reduce_in_bf16)
+    plans = longest(ModelShape.from_args(a), cluster, choices)
     if not plans or not plans[0].seq_length:
         raise SystemExit(
             f"error: no layout of {a.world_size} x {a.preset} fits this model in {cluster.budget_bytes / 1e9:.1f} GB "
@@ -194,7 +199,7 @@ def _longest(a) -> int:
         f"allocator: {cluster.budget_bytes / 1e9:.1f} GB a GPU): {best.seq_length:,} tokens"
     )
     print(f"  layout: {_words(best.layout)}; {best.tokens_per_s_per_gpu:,.0f} tokens/s per GPU predicted")
-    print(f"  memory flags: {' '.join(MEMORY_FLAGS)}")
+    print(f"  memory flags: {' '.join(choices.flags)}")
     print(
         f"  planned peak {e['total_bytes']:.1f} GB a GPU: weights {e['weights_bytes']:.1f}, gradients "
         f"{e['grads_bytes']:.1f}, activations {e['activations_bytes']:.1f}, step transients "
@@ -203,7 +208,7 @@ def _longest(a) -> int:
     )
     for p in plans[1:4]:
         print(f"  then: {_words(p.layout)}: {p.seq_length:,} tokens, {p.tokens_per_s_per_gpu:,.0f} tokens/s per GPU")
-    print(dryrun_command(_model_flags(a), best, cluster))
+    print(dryrun_command(_model_flags(a), best, cluster, choices))
     return 0
 
 
@@ -213,6 +218,8 @@ def _words(lay) -> str:
 
 def main(argv=None):
     a = build_parser().parse_args(argv)
+    if a.grad_reduce_in_bf16 and not (a.bf16 or a.longest):
+        raise SystemExit("error: --grad-reduce-in-bf16 keeps bf16 gradients of bf16 weights: add --bf16")
     if a.longest:
         return _longest(a)
     kw = _model_keywords(a)

@@ -14,7 +14,7 @@ and all-reduces run every layer), a ring only spans nodes.  Pure arithmetic: no 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 from ..topology import Topology
 from .memory_model import estimate, longest_sequence
@@ -34,6 +34,21 @@ MEMORY_FLAGS = [
     str(CHUNK_TOKENS),
     "--optimizer-cpu-offload",
 ]
+
+
+@dataclass(frozen=True)
+class Choices:
+    """What the user fixes beside the model: ``tied`` (the output layer shares the input embedding,
+    Megatron-LM's default), ``bf16_grads`` (``--grad-reduce-in-bf16``: DDP's gradients kept and
+    summed in bf16 -- half the gradient buffer, sums rounded to bf16; Megatron-LM's opt-in)."""
+
+    tied: bool = False
+    bf16_grads: bool = False
+
+    @property
+    def flags(self) -> List[str]:
+        """The memory flags a plan with these choices trains with."""
+        return MEMORY_FLAGS + (["--grad-reduce-in-bf16"] if self.bf16_grads else [])
 
 
 @dataclass(frozen=True)
@@ -97,10 +112,11 @@ def layouts(shape: ModelShape, cluster: Cluster) -> List[Topology]:
     return out
 
 
-def _keywords(shape: ModelShape, lay: Topology, tied: bool) -> dict:
+def _keywords(shape: ModelShape, lay: Topology, choices: Choices) -> dict:
     return dict(
         **shape.keywords(),
-        tied_embeddings=tied,
+        tied_embeddings=choices.tied,
+        grad_reduce_in_bf16=choices.bf16_grads,
         micro_batch_size=1,
         tp=lay.tp,
         ulysses=lay.ulysses,
@@ -117,10 +133,9 @@ def _keywords(shape: ModelShape, lay: Topology, tied: bool) -> dict:
     )
 
 
-def plan_layout(shape: ModelShape, cluster: Cluster, lay: Topology, tied: bool = False) -> Plan:
-    """The layout's longest sequence (a multiple of 2 x ulysses x cp x tp), its estimate and speed;
-    ``tied``: the output layer shares the input embedding."""
-    kw = _keywords(shape, lay, tied)
+def plan_layout(shape: ModelShape, cluster: Cluster, lay: Topology, choices: Choices = Choices()) -> Plan:
+    """The layout's longest sequence (a multiple of 2 x ulysses x cp x tp), its estimate and speed."""
+    kw = _keywords(shape, lay, choices)
     seq = longest_sequence(cluster.budget_bytes, 2 * lay.ulysses * lay.cp * lay.tp, **kw)
     plan = Plan(lay, seq, cluster.gpus_per_node)
     if seq:
@@ -131,19 +146,19 @@ def plan_layout(shape: ModelShape, cluster: Cluster, lay: Topology, tied: bool =
     return plan
 
 
-def longest(shape: ModelShape, cluster: Cluster, tied: bool = False) -> List[Plan]:
+def longest(shape: ModelShape, cluster: Cluster, choices: Choices = Choices()) -> List[Plan]:
     """Every layout's plan, the longest sequence first (ties: the fastest first)."""
-    plans = [plan_layout(shape, cluster, lay, tied) for lay in layouts(shape, cluster)]
+    plans = [plan_layout(shape, cluster, lay, choices) for lay in layouts(shape, cluster)]
     return sorted(plans, key=lambda p: (-p.seq_length, -p.tokens_per_s_per_gpu))
 
 
-def dryrun_command(model_flags: List[str], plan: Plan, cluster: Cluster, extra: Optional[List[str]] = None) -> str:
+def dryrun_command(model_flags: List[str], plan: Plan, cluster: Cluster, choices: Choices = Choices()) -> str:
     """The ``ulysses-mcore dryrun`` command that checks ``plan`` on fake CUDA."""
-    argv = ["ulysses-mcore", "dryrun", *model_flags, *plan.layout.flags(), *MEMORY_FLAGS, *(extra or [])]
+    argv = ["ulysses-mcore", "dryrun", *model_flags, *plan.layout.flags(), *choices.flags]
     argv += ["--micro-batch-size", "1", "--global-batch-size", str(plan.layout.dp)]
     argv += ["--seq-length", str(plan.seq_length), "--max-position-embeddings", str(plan.seq_length)]
     argv += ["--world-size", str(cluster.world), "--preset", cluster.preset]
     return " ".join(argv)
 
 
-__all__ = ["Cluster", "Plan", "MEMORY_FLAGS", "layouts", "plan_layout", "longest", "dryrun_command"]
+__all__ = ["Choices", "Cluster", "Plan", "MEMORY_FLAGS", "layouts", "plan_layout", "longest", "dryrun_command"]

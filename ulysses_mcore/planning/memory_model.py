@@ -7,15 +7,16 @@
 Model of memory per rank (Megatron-Core local/TE layer, flash-style attention that keeps
 no s x s matrix):
 
-* weights, gradients (DDP buffer, fp32 when --bf16: grad_reduce_in_fp32), Adam state
+* weights, gradients (DDP buffer, fp32 when --bf16 unless --grad-reduce-in-bf16), Adam state
   (fp32 m, v, and an fp32 master copy under --bf16), all divided by tp and pp;
 * activations saved for backward, per layer, per local token (``s / (ulysses x cp)``):
   norm inputs and statistics, the QKV / proj / fc1 / fc2 inputs, q/k/v and the output of
   attention *in its head-sharded form* (all tokens, ``1/ulysses`` of the heads: the same
   bytes as ``1/ulysses`` of the tokens), the softmax log-sum-exp, the MLP activation input;
   plus the last stage's norm, logits input and cross-entropy softmax.  Full recompute keeps
-  only each layer's input (and one layer's activations, all-to-all buffers and ring blocks during
-  its recompute); with ``--offload-activation-checkpoints`` those inputs live in host
+  only each layer's input (and one layer's activations, all-to-all buffers -- at ulysses 1 the
+  kernel's layout copies -- and ring blocks during its recompute); with
+  ``--offload-activation-checkpoints`` those inputs live in host
   memory (``host_bytes``) and two of them on the device (the one in use, the one prefetched);
   with ``--optimizer-cpu-offload`` Adam's state and master weights are host memory too.
 * all-to-all bytes sent per rank per layer: ``(P-1)/P`` of the local q, k, v (kv heads
@@ -73,6 +74,7 @@ class _Shape:
     optimizer_offload: bool = False  # --optimizer-cpu-offload: Adam's state and master weights in host memory
     kv_channels: Optional[int] = None  # channels per head (None: hidden / heads)
     tied_embeddings: bool = False  # the output layer shares the input embedding (Megatron-LM's default)
+    grad_reduce_in_bf16: bool = False  # --grad-reduce-in-bf16 (with --bf16): DDP's gradient buffer in bf16
 
     @property
     def g(self):
@@ -128,9 +130,10 @@ def _params(c: _Shape) -> float:
 
 
 def _states(c: _Shape, params: float):
-    """(weights, gradients, optimizer) bytes: grads fp32 (DDP buffer), Adam m, v (+ fp32 master under bf16)."""
+    """(weights, gradients, optimizer) bytes: grads fp32 (DDP buffer; bf16 with --grad-reduce-in-bf16),
+    Adam m, v (+ fp32 master under bf16)."""
     opt = params * (12 if c.bf16 else 8) / _optimizer_shards(c)
-    return params * (2 if c.bf16 else 4), params * 4, opt
+    return params * (2 if c.bf16 else 4), params * (2 if c.bf16 and c.grad_reduce_in_bf16 else 4), opt
 
 
 def _optimizer_shards(c: _Shape) -> int:
@@ -163,7 +166,9 @@ def _activations(c: _Shape) -> float:
     )  # (tiled MLP: recomputed)
     layer_full, kept = 0.0, c.layers
     if c.recompute == "full":  # layer inputs kept; one layer's activations live again during its backward
-        exchange = 2 * (hq + 2 * hk) * d + 2 * hq * d if c.ulysses > 1 else 0  # its all-to-alls' send + receive
+        # its all-to-alls' send and receive buffers of q, k, v and the output; at ulysses 1 the kernel's
+        # own layout copies of them, once (the dry run: 10,240 elements a token for Llama-3-8B on one GPU)
+        exchange = (2 if c.ulysses > 1 else 1) * ((hq + 2 * hk) * d + hq * d)
         ring = 6 * hk * d + 2 * (hq * d + hq) if c.cp > 1 else 0  # k/v blocks in flight, fp32 output and lse
         layer_full, layer = layer + exchange + ring, h_tp
         kept = min(c.layers, 2) if c.offload else c.layers  # offloaded: the one in use and the one prefetched

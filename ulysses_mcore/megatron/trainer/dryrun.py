@@ -135,7 +135,7 @@ def model_forward_tflop(args, topo) -> Dict[str, float]:
 
 
 def predicted_step_s(args, topo, preset: str) -> float:
-
+    """The step-time model's seconds for this layout on ``preset``."""
     run, lay = _planning_records(args, topo)
     p = step_time.PRESETS[preset]
     return step_time.predict(step_time.gpu_rates(p), run, lay, p["gpus_per_node"])["step_s"]
@@ -160,6 +160,7 @@ def plan_estimate(args, topo) -> dict:
         offload=args.offload_activation_checkpoints,
         optimizer_offload=args.optimizer_cpu_offload,
         tied_embeddings=not args.untie_embeddings_and_output_weights,
+        grad_reduce_in_bf16=args.grad_reduce_in_bf16,
     )
     return {k: v / 1e9 for k, v in est.items() if k.endswith("_bytes")}
 
