@@ -105,7 +105,7 @@ def _reorders(order: torch.Tensor, sd: int) -> Tuple[Reorder, Reorder]:
 def held_bytes(token_order: str, seq_len: int) -> int:
     """Bytes of the index tensors :func:`token_orders` keeps for a sequence of ``seq_len`` tokens (an
     order and its inverse, int64, for ``"load_balanced"``; per-document orders are made per call)."""
-    return 2 * seq_len * torch.empty((), dtype=torch.long).element_size() if token_order == "load_balanced" else 0
+    return 2 * seq_len * torch.iinfo(torch.long).bits // 8 if token_order == "load_balanced" else 0
 
 
 def token_orders(
