@@ -7,6 +7,7 @@ Megatron's hierarchical context-parallel groups; psutil: Megatron's checkpoint w
 import os
 import subprocess
 import sys
+import sysconfig
 from importlib import metadata
 
 import pytest
@@ -15,20 +16,25 @@ from packaging.utils import canonicalize_name
 
 # what a fresh virtual environment holds by itself
 VENV_TOOLS = {"pip", "setuptools", "pkg_resources", "_distutils_hack", "wheel"}
+SITE = sorted({os.path.realpath(sysconfig.get_paths()[k]) for k in ("purelib", "platlib")})
 
 HIDE = '''
 import importlib.machinery, os, sys
 
 HIDDEN = frozenset(os.environ["ULYSSES_MCORE_HIDDEN"].split(","))
+SITE = frozenset(os.environ["ULYSSES_MCORE_SITE"].split(os.pathsep))  # where the hidden ones are installed
 _PATHS = importlib.machinery.PathFinder
 
 
 class _DeclaredOnly:
-    """sys.path's finder, blind to the hidden packages (as if not installed: find_spec probes say None)."""
+    """sys.path's finder, blind to the hidden packages in site-packages (as if not installed:
+    find_spec probes say None); a copy elsewhere on sys.path (a package's vendored one) is found."""
 
     @staticmethod
     def find_spec(name, path=None, target=None):
-        return None if name.partition(".")[0] in HIDDEN else _PATHS.find_spec(name, path, target)
+        if path is None and name in HIDDEN:
+            path = [p for p in sys.path if os.path.realpath(p or ".") not in SITE]
+        return _PATHS.find_spec(name, path, target)
 
     @staticmethod
     def invalidate_caches():
@@ -59,15 +65,25 @@ def declared(root: str = "ulysses-mcore") -> set:
     return seen
 
 
-def hidden_modules(closure: set) -> set:
-    """Top-level modules of installed distributions outside ``closure`` (none another holds inside it)."""
-    out = set()
-    for module, dists in metadata.packages_distributions().items():
-        if module in sys.stdlib_module_names or module in VENV_TOOLS:
+def _top_level(dist) -> set:
+    """The top-level module names a distribution installs."""
+    names = set()
+    for f in dist.files or ():
+        first = f.parts[0]
+        if first.endswith((".dist-info", ".pth")) or first in ("..", "__pycache__"):
             continue
-        if not any(canonicalize_name(d) in closure for d in dists):
-            out.add(module)
-    return out
+        names.add(first.split(".")[0] if len(f.parts) == 1 else first)
+    return names
+
+
+def hidden_modules(closure: set) -> set:
+    """Top-level modules of the distributions installed in this environment's site-packages outside
+    ``closure`` (none that a distribution inside it installs too)."""
+    kept, out = set(), set()
+    for dist in metadata.distributions(path=SITE):
+        inside = canonicalize_name(dist.metadata["Name"]) in closure or dist.metadata["Name"] in VENV_TOOLS
+        (kept if inside else out).update(_top_level(dist))
+    return {m for m in out - kept if m not in sys.stdlib_module_names and m not in VENV_TOOLS}
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +94,7 @@ def plain_env(tmp_path_factory):
     hidden = hidden_modules(declared())
     path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
     env = dict(os.environ, PYTHONPATH=path, ULYSSES_MCORE_HIDDEN=",".join(sorted(hidden)), OMP_NUM_THREADS="1")
+    env["ULYSSES_MCORE_SITE"] = os.pathsep.join(SITE)
     return env, hidden
 
 
