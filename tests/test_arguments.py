@@ -45,7 +45,7 @@ def test_a_good_command_line_gives_the_layout():
         (["--min-lr", "1", "--lr", "0.1"], 1, "--min-lr 1.0 is above --lr 0.1"),
         (["--num-layers", "3", "--pipeline-model-parallel-size", "2"], 2, "--num-layers 3 must be divisible"),
         (["--save-interval", "2"], 1, "--save-interval needs --save"),
-        (["--lr-warmup-iters", "4"], 1, "--lr-warmup-iters 4 must be < --train-iters 4"),
+        (["--lr-warmup-iters", "4"], 1, "--lr-warmup-iters 4 must be < --train-iters 4: pass --lr-warmup-iters 3"),
         (["--ulysses-degree", "8"], 8, "--ulysses-degree 8 does not fit 4 query / 4 kv heads"),
         (["--ulysses-degree", "3"], 3, "--seq-length 32 must be divisible by ulysses"),
         (["--vocab-size", "100"], 1, "--vocab-size 100 is below the byte tokenizer's 258 ids"),

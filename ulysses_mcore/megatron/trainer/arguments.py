@@ -430,7 +430,10 @@ _CONSISTENCY = (
     *_MEMORY_RULES,
     (
         lambda a, t: a.lr_warmup_iters >= a.train_iters and a.train_iters > 1,
-        lambda a, t: f"--lr-warmup-iters {a.lr_warmup_iters} must be < --train-iters {a.train_iters}",
+        lambda a, t: (
+            f"--lr-warmup-iters {a.lr_warmup_iters} must be < --train-iters {a.train_iters}: "
+            f"pass --lr-warmup-iters {a.train_iters - 1} or fewer (0: no warm-up), or more --train-iters"
+        ),
     ),
 )
 
