@@ -88,26 +88,27 @@ def hidden_modules(closure: set) -> set:
 
 @pytest.fixture(scope="module")
 def plain_env(tmp_path_factory):
-    """Environment variables under which every interpreter started sees only the declared packages."""
+    """(environment variables under which every interpreter started sees only the declared packages,
+    the declared distributions, the hidden modules)"""
     site = tmp_path_factory.mktemp("plain_site")
     (site / "sitecustomize.py").write_text(HIDE)
-    hidden = hidden_modules(declared())
+    closure = declared()
+    hidden = hidden_modules(closure)
     path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
     env = dict(os.environ, PYTHONPATH=path, ULYSSES_MCORE_HIDDEN=",".join(sorted(hidden)), OMP_NUM_THREADS="1")
     env["ULYSSES_MCORE_SITE"] = os.pathsep.join(SITE)
-    return env, hidden
+    return env, closure, hidden
 
 
 def test_the_closure_holds_the_runtime_requirements_and_not_the_test_extras(plain_env):
-    closure = declared()
+    _, closure, hidden = plain_env
     assert {"torch", "megatron-core", "numpy", "einops", "psutil"} <= closure
     assert not {"pytest", "deepspeed", "hypothesis"} & closure
-    _, hidden = plain_env
     assert {"pytest", "deepspeed"} <= hidden
 
 
 def test_a_hidden_package_fails_to_import(plain_env):
-    env, _ = plain_env
+    env = plain_env[0]
     code = "import torch, megatron.core, einops, psutil\n"
     code += "try:\n    import pytest\nexcept ImportError as e:\n    print(e)"
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
@@ -117,7 +118,7 @@ def test_a_hidden_package_fails_to_import(plain_env):
 
 @pytest.mark.slow
 def test_a_ring_layout_trains_saves_and_resumes_with_the_declared_packages_only(plain_env, tmp_path):
-    env, _ = plain_env
+    env = plain_env[0]
     ckpt = tmp_path / "ckpt"
     run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
     run += ["-m", "ulysses_mcore", "pretrain", "--ulysses-degree", "2", "--context-parallel-size", "2"]
