@@ -8,6 +8,7 @@ tp 2 x ulysses 2 and pp 2 x ulysses 2 against the unsharded model is in tests/te
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.helpers import run_threaded
 
@@ -91,6 +92,21 @@ def test_chunked_cross_entropy_bf16_accumulates_in_fp32():
     assert (loss.double() - ref).abs().max() / ref.abs().max() < 1e-2
 
 
+class _WholeSequence(TorchDispatchMode):
+    """The ops that make a new tensor of the input's whole shape (``made``: their names)."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape, self.made = tuple(shape), []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and tuple(out.shape) == self.shape and out._base is None:
+            if not any(isinstance(a, torch.Tensor) and a.data_ptr() == out.data_ptr() for a in args):
+                self.made.append(func.overloadpacket.__name__)
+        return out
+
+
 @CPU_ONLY
 @pytest.mark.parametrize("gated", [False, True], ids=["gelu", "swiglu"])
 def test_tiled_mlp_equals_megatrons_mlp(gated):
@@ -131,16 +147,28 @@ def test_tiled_mlp_equals_megatrons_mlp(gated):
         assert type(tiled).__name__ == "TiledMLP6" and type(plain).__name__ == "MLP"
         tiled.load_state_dict(plain.state_dict())
         x = torch.randn(13, 2, 16)
-        outs = {}
+        outs, made = {}, {}
         for name, m in (("plain", plain), ("tiled", tiled)):
             xi = x.clone().requires_grad_()
             saved = []
-            with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+
+            def pack(t):  # the activations saved (the weights are the model's anyway)
+                return t if isinstance(t, torch.nn.Parameter) else saved.append(t.shape) or t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 o, bias = m(xi)
             o = o + (bias if bias is not None else 0)
-            (o * torch.linspace(-1, 1, o.numel()).view_as(o)).sum().backward()
+            with _WholeSequence(x.shape) as whole:
+                (o * torch.linspace(-1, 1, o.numel()).view_as(o)).sum().backward()
             outs[name] = (o.detach(), xi.grad, {n: p.grad.clone() for n, p in m.named_parameters()}, saved)
+            made[name] = whole.made
         (o1, gx1, gp1, saved1), (o2, gx2, gp2, saved2) = outs["plain"], outs["tiled"]
+        # the backward makes the input's gradient once, written chunk by chunk; slicing under autograd
+        # made a whole-sequence gradient for each of the 3 chunks (slice_backward) and summed them (add)
+        extra = list(made["tiled"])
+        for op in made["plain"]:  # the upstream gradient's own (the same in both)
+            extra.remove(op)
+        assert extra == ["empty_like"], made
         assert (o1 - o2).abs().max() < 1e-6 and (gx1 - gx2).abs().max() < 1e-6
         for n in gp1:
             assert (gp1[n] - gp2[n]).abs().max() <= 1e-6 * gp1[n].abs().max().clamp_min(1), n

@@ -395,28 +395,46 @@ def _dependencies(root) -> Dict[object, int]:
     return count
 
 
+def _listed(x) -> list:
+    return [x] if isinstance(x, torch.Tensor) else list(x)
+
+
+def _leaf_gradients(tensors, grad_tensors, keep) -> dict:
+    """``{leaf: gradient}`` of ``tensors`` (each with its gradient, ones if None) over the leaves ``keep`` takes."""
+    tensors = _listed(tensors)
+    grads = [None] * len(tensors) if grad_tensors is None else _listed(grad_tensors)
+    got: Dict[torch.Tensor, torch.Tensor] = {}
+    for t, g in zip(tensors, grads):
+        if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+            for leaf, lg in backward(t, torch.ones_like(t) if g is None else g, keep=keep).items():
+                _add(got, leaf, lg)
+    return got
+
+
 @contextlib.contextmanager
 def engine_free_autograd():
     """``torch.autograd.backward`` -- which Megatron's recompute (``CheckpointFunction.backward``) calls
     inside the backward -- runs through :func:`backward`: the gradients of non-parameter leaves land in
     their ``.grad`` (what the recompute returns); parameters' are dropped, as Megatron's DDP moves each
-    into its gradient buffer (the dry run models that buffer)."""
-    engine = torch.autograd.backward
+    into its gradient buffer (the dry run models that buffer).  ``torch.autograd.grad`` (the tiled
+    MLP's backward) returns the gradients of the inputs it names, parameters included."""
+    engine, engine_grad = torch.autograd.backward, torch.autograd.grad
 
     def run(tensors, grad_tensors=None, *args, **kwargs):
-        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-        grads = grad_tensors if grad_tensors is not None else [None] * len(tensors)
-        grads = [grads] if isinstance(grads, torch.Tensor) else list(grads)
-        for t, g in zip(tensors, grads):
-            if isinstance(t, torch.Tensor) and t.grad_fn is not None:
-                for leaf, lg in backward(t, torch.ones_like(t) if g is None else g, keep=not_a_parameter).items():
-                    leaf.grad = lg if leaf.grad is None else leaf.grad + lg
+        for leaf, lg in _leaf_gradients(tensors, grad_tensors, not_a_parameter).items():
+            leaf.grad = lg if leaf.grad is None else leaf.grad + lg
 
-    torch.autograd.backward = run
+    def grad(outputs, inputs, grad_outputs=None, *args, **kwargs):
+        inputs = _listed(inputs)
+        named = {id(t) for t in inputs}
+        got = _leaf_gradients(outputs, grad_outputs, lambda leaf: id(leaf) in named)
+        return tuple(got.get(t) for t in inputs)
+
+    torch.autograd.backward, torch.autograd.grad = run, grad
     try:
         yield
     finally:
-        torch.autograd.backward = engine
+        torch.autograd.backward, torch.autograd.grad = engine, engine_grad
 
 
 def not_a_parameter(leaf) -> bool:

@@ -9,7 +9,7 @@ Ulysses divides activations by P, but two transients of every step do not shrink
   most one chunk's logits exist, in forward and in backward;
 * the **MLP intermediate** ``[tokens, ffn/tp]`` (gate and up for SwiGLU) of every layer:
   :func:`tiled_mlp_class` is Megatron's ``MLP`` run over token chunks, each chunk's
-  intermediates recomputed in backward (``torch.utils.checkpoint``), chosen through the layer
+  intermediates recomputed in backward (one ``autograd.Function``), chosen through the layer
   spec (:func:`ulysses_mcore.megatron.layer.specs.swap_mlp`).
 
 Both are exact: the same per-token losses and gradients as the unchunked model up to
@@ -34,7 +34,6 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import mappings
 from megatron.core.transformer.mlp import MLP
-from torch.utils.checkpoint import checkpoint
 
 
 # ------------------------------------------------------------------------ loss
@@ -182,11 +181,58 @@ def enable_chunked_loss(model, chunk_tokens: int):
 
 
 # ------------------------------------------------------------------------ MLP
+def _by_chunks(run, rows: int, x):
+    """``run`` over ``rows``-row chunks of ``x``, each output written into one result."""
+    out = None
+    for c in range(0, x.shape[0], rows):
+        o = run(x[c : c + rows])
+        if out is None:
+            out = o.new_empty((x.shape[0], *o.shape[1:]))
+        out[c : c + rows] = o
+        del o
+    return out
+
+
+class _Tiles(torch.autograd.Function):
+    """``run`` (the MLP without its output bias) over ``rows``-row chunks of ``x``: each chunk's
+    output written into one ``[s, b, h]`` result, nothing of a chunk kept; the backward recomputes
+    each chunk with gradients and writes its input gradient into one ``[s, b, h]`` buffer, the
+    weights' gradients summed over the chunks (fp32 when the weights are lower precision).
+    Slicing ``x`` under autograd instead (``torch.utils.checkpoint`` per chunk) made every chunk's
+    input gradient a whole-sequence tensor (``slice_backward``), summed one by one: two ``[s, b, h]``
+    buffers live at the backward's peak and a whole-sequence add per chunk."""
+
+    @staticmethod
+    def forward(ctx, run, rows: int, x, *weights):
+        ctx.run, ctx.rows = run, rows
+        ctx.save_for_backward(x, *weights)
+        return _by_chunks(run, rows, x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, *weights = ctx.saved_tensors
+        grad_x = torch.empty_like(x) if ctx.needs_input_grad[2] else None
+        sums = [None] * len(weights)
+        for c in range(0, x.shape[0], ctx.rows):
+            part = x[c : c + ctx.rows].detach().requires_grad_(grad_x is not None)
+            with torch.enable_grad():
+                o = ctx.run(part)
+            wanted = ([part] if grad_x is not None else []) + weights
+            got = list(torch.autograd.grad(o, wanted, grad[c : c + ctx.rows], allow_unused=True))
+            if grad_x is not None:
+                grad_x[c : c + ctx.rows] = got.pop(0)
+            for i, g in enumerate(got):
+                if g is not None:
+                    sums[i] = g.float() if sums[i] is None else sums[i].add_(g)
+            del o, got
+        return (None, None, grad_x, *(s if s is None else s.to(w.dtype) for s, w in zip(sums, weights)))
+
+
 class _TiledMLPMixin:
     """Megatron's MLP over ``chunk_tokens``-token chunks of the sequence, each chunk's
-    intermediates recomputed in backward: the ``[tokens, ffn/tp]`` intermediate exists one
-    chunk at a time.  Token-wise, so exact; with sequence parallelism each chunk is gathered
-    and reduce-scattered by the linear layers as a whole sequence would be."""
+    intermediates recomputed in backward (:class:`_Tiles`): the ``[tokens, ffn/tp]`` intermediate
+    exists one chunk at a time.  Token-wise, so exact; with sequence parallelism each chunk is
+    gathered and reduce-scattered by the linear layers as a whole sequence would be."""
 
     chunk_tokens = 0
 
@@ -197,14 +243,17 @@ class _TiledMLPMixin:
         rows = max(1, self.chunk_tokens // max(1, b))
         if s <= rows:
             return parent(hidden_states, *args, **kwargs)
-        # with gradients each chunk is recomputed in its backward; without (full recompute's first forward,
-        # evaluation) a chunk's intermediates are simply freed before the next chunk runs
-        run = functools.partial(checkpoint, parent, use_reentrant=False) if torch.is_grad_enabled() else parent
-        outs, bias = [], None
-        for c in range(0, s, rows):
-            o, bias = run(hidden_states[c : c + rows], *args, **kwargs)
-            outs.append(o)
-        return torch.cat(outs, dim=0), bias
+        bias = []
+
+        def run(x):  # the output; the output bias (a parameter, the same for every chunk) handed back as is
+            out, b_ = parent(x, *args, **kwargs)
+            bias[:] = [b_]
+            return out
+
+        if not torch.is_grad_enabled():  # full recompute's first forward, evaluation: nothing to keep
+            return _by_chunks(run, rows, hidden_states), bias[0]
+        weights = [p for p in self.parameters() if p.requires_grad]
+        return _Tiles.apply(run, rows, hidden_states, *weights), bias[0]
 
 
 class _KindOfMLP(type):

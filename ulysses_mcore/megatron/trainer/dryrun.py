@@ -227,7 +227,7 @@ def _step(model, batch, docs) -> _Step:
         with fw.KernelLog() as log, fw.flop_counter(docs) as flops, fw.SavedOnce(), fw.recording_function_inputs():
             out = model_forward(model, batch)
         forward_peak = live.peak
-        with fw.KernelLog() as back, fw.engine_free_autograd(), fw.SavedOnce():  # the recompute's, too
+        with fw.KernelLog() as back, fw.engine_free_autograd(), fw.SavedOnce(), fw.recording_function_inputs():
             fw.backward(out, torch.ones_like(out), keep=fw.not_a_parameter)
         del out
     return _Step(log, back, flops, forward_peak=forward_peak, step_peak=live.peak, holders=live.holders())
