@@ -170,9 +170,9 @@ def _activations(c: _Shape) -> float:
         # own layout copies of them, once (the dry run: 10,240 elements a token for Llama-3-8B on one GPU)
         exchange = (2 if c.ulysses > 1 else 1) * ((hq + 2 * hk) * d + hq * d)
         ring = 6 * hk * d + 2 * (hq * d + hq) if c.cp > 1 else 0  # k/v blocks in flight, fp32 output and lse
-        # at ulysses 1 (no all-to-all buffers) the recomputed layer's peak is its MLP's backward, where the
-        # tiled MLP holds one [s, h] input gradient, written chunk by chunk (the dry run: one less than
-        # the per-chunk whole-sequence gradients torch.utils.checkpoint made, which this term was fitted to)
+        # at ulysses 1 (no all-to-all buffers) the recomputed layer's peak is in its MLP phase, which the
+        # tiled MLP made one [s, h] smaller (its backward held the per-chunk whole-sequence gradients of
+        # torch.utils.checkpoint, which this term was fitted to; the dry run measures one less since)
         tiled = h_tp if c.mlp_chunk_tokens and c.ulysses * c.cp == 1 else 0
         layer_full, layer = layer + exchange + ring - tiled, h_tp
         kept = min(c.layers, 2) if c.offload else c.layers  # offloaded: the one in use and the one prefetched
