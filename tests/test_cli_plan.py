@@ -83,6 +83,22 @@ def test_longest_with_bf16_gradients_plans_longer_and_passes_the_flag_on(capsys)
         plan.main([*FLAGS, "--grad-reduce-in-bf16"])
 
 
+def test_longest_without_linear_biases_plans_longer_at_ulysses_1_only_and_passes_the_flag_on(capsys):
+    """--disable-bias-linear: the recomputed layer's bias-dropout-add holds one [s, h] less, which the
+    plan counts where that phase holds the peak (ulysses 1: one GPU); the dry run's command keeps it."""
+    model = "--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --num-query-groups 8 --ffn-hidden-size 14336"
+    model += " --swiglu --vocab-size 128256 --untie-embeddings-and-output-weights"
+    longest = {}
+    for world in ("1", "8"):
+        for extra in ([], ["--disable-bias-linear"]):
+            assert plan.main(["--longest", "--world-size", world, *model.split(), *extra]) == 0
+            lines = capsys.readouterr().out.splitlines()
+            longest[world, bool(extra)] = int(lines[0].rsplit(": ", 1)[1].split()[0].replace(",", ""))
+            assert ("--disable-bias-linear" in lines[-1]) == bool(extra)
+    assert longest["1", True] > 1.05 * longest["1", False]
+    assert longest["8", True] == longest["8", False]  # ulysses > 1: the attention phase may hold the peak
+
+
 def test_longest_needs_a_world_size():
     with pytest.raises(SystemExit, match="--world-size"):
         plan.main(["--longest", *FLAGS])

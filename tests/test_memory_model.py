@@ -60,6 +60,17 @@ def test_bf16_gradient_reduction_halves_the_gradient_buffer_only():
     assert estimate(grad_reduce_in_bf16=True, **fp32)["grads_bytes"] == estimate(**fp32)["grads_bytes"]
 
 
+def test_linear_biases_weigh_one_residual_tensor_in_the_recomputed_layer_at_ulysses_1():
+    """Under full recompute at ulysses 1 the recomputed layer peaks at the MLP's bias-dropout-add, where
+    the output plus its bias is one [s, h] more (the dry run); elsewhere the biases weigh nothing here."""
+    s, full = 65536, dict(LLAMA8B, recompute="full", mlp_chunk_tokens=4096, offload=True)
+    for u, less in ((1, s * 4096 * 2), (4, 0)):
+        biased, unbiased = (estimate(seq_length=s, ulysses=u, bias_linear=b, **full) for b in (True, False))
+        assert biased["activations_bytes"] - unbiased["activations_bytes"] == pytest.approx(less / u)
+    plain = (estimate(seq_length=s, bias_linear=b, **LLAMA8B)["activations_bytes"] for b in (True, False))
+    assert len(set(plain)) == 1  # without recompute the layer's saved tensors are the same either way
+
+
 def test_unknown_inputs_are_refused():
     with pytest.raises(TypeError, match="num_layer"):
         estimate(num_layer=2, hidden_size=64, num_attention_heads=4)

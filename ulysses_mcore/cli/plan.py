@@ -119,6 +119,7 @@ def _model_keywords(a) -> dict:
         mlp_chunk_tokens=a.mlp_chunk_tokens,
         torch_adam=a.torch_adam,
         grad_reduce_in_bf16=a.grad_reduce_in_bf16,
+        bias_linear=not a.disable_bias_linear,
     )
 
 
@@ -185,7 +186,11 @@ def _longest(a) -> int:
     if a.group_query_attention and a.num_query_groups is None:
         a.num_query_groups = 1  # Megatron-LM's default
     cluster = Cluster(a.world_size, a.preset)
-    choices = Choices(tied=not a.untie_embeddings_and_output_weights, bf16_grads=a.grad_reduce_in_bf16)
+    choices = Choices(
+        tied=not a.untie_embeddings_and_output_weights,
+        bf16_grads=a.grad_reduce_in_bf16,
+        biases=not a.disable_bias_linear,
+    )
     plans = longest(ModelShape.from_args(a), cluster, choices)
     if not plans or not plans[0].seq_length:
         raise SystemExit(

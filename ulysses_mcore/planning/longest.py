@@ -40,10 +40,12 @@ MEMORY_FLAGS = [
 class Choices:
     """What the user fixes beside the model: ``tied`` (the output layer shares the input embedding,
     Megatron-LM's default), ``bf16_grads`` (``--grad-reduce-in-bf16``: DDP's gradients kept and
-    summed in bf16 -- half the gradient buffer, sums rounded to bf16; Megatron-LM's opt-in)."""
+    summed in bf16 -- half the gradient buffer, sums rounded to bf16; Megatron-LM's opt-in), ``biases``
+    (the linear layers' biases, Megatron's default; ``--disable-bias-linear``: none)."""
 
     tied: bool = False
     bf16_grads: bool = False
+    biases: bool = True
 
     @property
     def flags(self) -> List[str]:
@@ -117,6 +119,7 @@ def _keywords(shape: ModelShape, lay: Topology, choices: Choices) -> dict:
         **shape.keywords(),
         tied_embeddings=choices.tied,
         grad_reduce_in_bf16=choices.bf16_grads,
+        bias_linear=choices.biases,
         micro_batch_size=1,
         tp=lay.tp,
         ulysses=lay.ulysses,

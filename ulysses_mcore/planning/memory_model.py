@@ -75,6 +75,7 @@ class _Shape:
     kv_channels: Optional[int] = None  # channels per head (None: hidden / heads)
     tied_embeddings: bool = False  # the output layer shares the input embedding (Megatron-LM's default)
     grad_reduce_in_bf16: bool = False  # --grad-reduce-in-bf16 (with --bf16): DDP's gradient buffer in bf16
+    bias_linear: bool = True  # the linear layers' biases (Megatron's default; --disable-bias-linear: none)
 
     @property
     def g(self):
@@ -174,7 +175,9 @@ def _activations(c: _Shape) -> float:
         # tiled MLP made one [s, h] smaller (its backward held the per-chunk whole-sequence gradients of
         # torch.utils.checkpoint, which this term was fitted to; the dry run measures one less since)
         tiled = h_tp if c.mlp_chunk_tokens and c.ulysses * c.cp == 1 else 0
-        layer_full, layer = layer + exchange + ring - tiled, h_tp
+        # there, at the MLP's bias-dropout-add, the output plus its bias is one more [s, h] (the dry run)
+        unbiased = h_tp if c.ulysses * c.cp == 1 and not c.bias_linear else 0
+        layer_full, layer = layer + exchange + ring - tiled - unbiased, h_tp
         kept = min(c.layers, 2) if c.offload else c.layers  # offloaded: the one in use and the one prefetched
     head = (c.hidden_size + 2) + c.hidden_size  # final norm, output-layer input (in the activations' dtype)
     tokens = c.s_local * c.micro_batch_size

@@ -161,6 +161,7 @@ def plan_estimate(args, topo) -> dict:
         optimizer_offload=args.optimizer_cpu_offload,
         tied_embeddings=not args.untie_embeddings_and_output_weights,
         grad_reduce_in_bf16=args.grad_reduce_in_bf16,
+        bias_linear=not args.disable_bias_linear,
     )
     return {k: v / 1e9 for k, v in est.items() if k.endswith("_bytes")}
 
