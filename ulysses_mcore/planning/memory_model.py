@@ -175,8 +175,8 @@ def _activations(c: _Shape) -> float:
         # tiled MLP made one [s, h] smaller (its backward held the per-chunk whole-sequence gradients of
         # torch.utils.checkpoint, which this term was fitted to; the dry run measures one less since)
         tiled = h_tp if c.mlp_chunk_tokens and c.ulysses * c.cp == 1 else 0
-        # there, at the MLP's bias-dropout-add, the output plus its bias is one more [s, h] (the dry run)
-        unbiased = h_tp if c.ulysses * c.cp == 1 and not c.bias_linear else 0
+        # there, at the tiled MLP's bias-dropout-add, its output plus its bias is one more [s, h] (the dry run)
+        unbiased = tiled if not c.bias_linear else 0
         layer_full, layer = layer + exchange + ring - tiled - unbiased, h_tp
         kept = min(c.layers, 2) if c.offload else c.layers  # offloaded: the one in use and the one prefetched
     head = (c.hidden_size + 2) + c.hidden_size  # final norm, output-layer input (in the activations' dtype)
