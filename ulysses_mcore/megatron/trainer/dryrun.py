@@ -224,11 +224,11 @@ def _step(model, batch, docs) -> _Step:
     (parameters' gradients dropped as DDP's hooks drop them into its buffer, held throughout).  The
     live bytes the micro-batch made span both."""
     live = fw.LiveBytes()
-    with fw.SdpaAsOnGpu(), live:
-        with fw.KernelLog() as log, fw.flop_counter(docs) as flops, fw.SavedOnce(), fw.recording_function_inputs():
+    with fw.SdpaAsOnGpu(), live, fw.recording_function_inputs():  # Functions applied in the recompute, too
+        with fw.KernelLog() as log, fw.flop_counter(docs) as flops, fw.SavedOnce():
             out = model_forward(model, batch)
         forward_peak = live.peak
-        with fw.KernelLog() as back, fw.engine_free_autograd(), fw.SavedOnce(), fw.recording_function_inputs():
+        with fw.KernelLog() as back, fw.engine_free_autograd(), fw.SavedOnce():  # the recompute's, too
             fw.backward(out, torch.ones_like(out), keep=fw.not_a_parameter)
         del out
     return _Step(log, back, flops, forward_peak=forward_peak, step_peak=live.peak, holders=live.holders())
