@@ -220,3 +220,23 @@ def test_every_call_refuses_boundaries_that_differ_between_ranks_on_a_later_micr
 
     first, second = run_threaded(2, fn, timeout=60)
     assert first == second and "cu_seqlens" in first
+
+
+def test_without_an_exchange_the_kernel_saves_its_own_v_not_the_packed_projection():
+    """At ulysses 1 v arrives as a slice of the layer's packed QKV projection while RoPE made q and k
+    anew: the kernel saves a copy of v, so the projection is not held until the backward; values and
+    gradients are the reference's."""
+    g = torch.Generator().manual_seed(3)
+    s, heads, d = 32, 2, 8
+    packed = torch.randn(s, 1, heads, 3 * d, dtype=torch.float64, generator=g).requires_grad_()
+    q, k, v = packed.split(d, dim=-1)
+    q, k = q * 1.0, k * 1.0  # RoPE's new tensors
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = CallCache().run(q, k, v, SITE)
+    held = packed.untyped_storage()._cdata in {t.untyped_storage()._cdata for t in saved}
+    assert not held, "the packed projection is saved for the backward (v's own copy should be)"
+    assert (out - reference_attention(q, k, v, causal=True)).abs().max() < 1e-12
+    (grad,) = torch.autograd.grad(out.square().sum(), packed, retain_graph=True)
+    (want,) = torch.autograd.grad(reference_attention(q, k, v, causal=True).square().sum(), packed)
+    assert (grad - want).abs().max() < 1e-10

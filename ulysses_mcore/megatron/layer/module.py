@@ -31,6 +31,7 @@ from ulysses_mcore.exchange.orders import BATCH
 from ulysses_mcore.kernels.registry import Kernel, resolve
 from ulysses_mcore.kernels.te import TEAttention
 from ulysses_mcore.megatron.layer.groups import group_size, mpu_collection, sequence_groups
+from ulysses_mcore.megatron.layer.offload import prefetch_point
 from ulysses_mcore.megatron.layer.rotary import RotaryKernel
 from ulysses_mcore.options import NO_TENSORS, CallSite, CallTensors, backend_error, call_site
 from ulysses_mcore.planning.placement import powers_of_two
@@ -259,7 +260,7 @@ class UlyssesAttention(MegatronModule):
             )
         if packed_seq_params is not None:  # the module's own checks of Megatron's packed-sequence record
             tensors = tensors._replace(cu_seqlens_kv=cu_kv, qkv_format=getattr(packed_seq_params, "qkv_format", None))
-        out = self.calls.run(query, key, value, choices, tensors)
+        out = self.calls.run(prefetch_point(query), key, value, choices, tensors)
         if cu is not None:
             return out.reshape(out.shape[0], -1)  # [t, h*d]; Megatron adds the batch dim back
         return out.reshape(out.shape[0], out.shape[1], -1)

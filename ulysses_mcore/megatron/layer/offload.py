@@ -9,14 +9,22 @@ the inputs Megatron's ``CheckpointFunction`` saves.  :func:`enable_activation_of
 
 * pack (forward): a CUDA tensor of at least ``min_bytes`` is copied into a pinned host buffer on a
   side stream (the device copy is released once the copy is done: ``record_stream``);
-* unpack (backward): the tensor comes back on the side stream, the compute stream waits for it, and
-  the copy of the tensor the backward needs next (the one saved before it in the same forward) is
-  started, so the transfer of layer ``i - 1`` overlaps the recompute of layer ``i``.
+* unpack (backward): the tensor comes back on the side stream (already on its way, or now) and the
+  compute stream waits for it; the copy of the tensor the backward needs next (the one saved before
+  it in the same forward) starts at the region's :func:`prefetch_point` -- after layer ``i``'s
+  attention backward, so the transfer of layer ``i - 1``'s input overlaps the rest of layer ``i``'s
+  backward, and is not on the device at that layer's peak (the dry run: one ``[s/P, b, h]`` less).
 
 The hooks see only the forward (the recompute in the backward saves its tensors on the device, as
-it must).  Values are copied, never changed: the math is the run's without offload.  On a CPU the
-tensors already live in host memory and nothing is copied (``copy_host=True`` copies them anyway,
-through the same bookkeeping: the tests' exactness check).  ``host_bytes`` / ``peak_host_bytes``
+it must).  Megatron's ``CheckpointFunction.backward`` also holds the recomputed region's output for
+the whole of the region's backward, though the backward reads only its shape (a residual add saves
+no output): with the offload on, :func:`release_recomputed_outputs` hands it the output's shape (a
+zero-strided view of one element, :class:`ShapeOnly`) and the output's bytes go at once -- one
+``[s/P, b, h]`` less in every layer's backward, which is where the step peaks.
+
+Values are copied, never changed: the math is the run's without offload.  On a CPU the tensors
+already live in host memory and nothing is copied (``copy_host=True`` copies them anyway, through
+the same bookkeeping: the tests' exactness check).  ``host_bytes`` / ``peak_host_bytes``
 count what sits on the host.
 """
 
@@ -26,6 +34,38 @@ import functools
 from typing import List, Optional
 
 import torch
+
+
+_NEXT: list = []  # (hooks, saved): the copy back that the next prefetch point starts (at most one)
+
+
+def _start_next() -> None:
+    while _NEXT:
+        hooks, saved = _NEXT.pop()
+        if saved.back is None and saved.host is not None:
+            hooks._fetch(saved)
+
+
+class _PrefetchPoint(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t):
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        _start_next()
+        return grad
+
+
+def prefetch_point(t: torch.Tensor) -> torch.Tensor:
+    """``t``; where a copy back is pending (a recomputed region's backward is under way) and ``t`` takes
+    a gradient, the copy starts once ``t``'s gradient is computed.  ``UlyssesAttention`` puts it on its
+    query: the layer below's input comes back after the attention's backward, where a recomputed
+    layer's backward peaks, overlapping the rest of the layer's backward.  A region without one
+    fetches its tensors when it needs them."""
+    if not _NEXT or not torch.is_grad_enabled() or not t.requires_grad:
+        return t
+    return _PrefetchPoint.apply(t)
 
 
 def _new_stats() -> dict:
@@ -98,8 +138,9 @@ class HostOffload(torch.autograd.graph.saved_tensors_hooks):
         out, saved.back = saved.back, None  # the node holds it now: freed when the node is done with it
         if saved.device.type == "cuda" and self.stream is not None:
             torch.cuda.current_stream(saved.device).wait_stream(self.stream)
+        _NEXT.clear()  # the copy this region's prefetch point starts: the one the backward needs next
         if saved.previous is not None and saved.previous.back is None and saved.previous.host is not None:
-            self._fetch(saved.previous)  # the next one the backward needs: overlaps this layer's recompute
+            _NEXT.append((self, saved.previous))
         if saved.host is not None:
             self._count(saved.host, -1)
             saved.host = None
@@ -123,6 +164,56 @@ class HostOffload(torch.autograd.graph.saved_tensors_hooks):
         s["tensors"] += max(sign, 0)
 
 
+class ShapeOnly(torch.autograd.Function):
+    """The identity on gradients whose output is its input's shape, dtype and device without its bytes
+    (one zero expanded): a root for a backward that reads nothing of it."""
+
+    @staticmethod
+    def forward(ctx, out):
+        return out.new_zeros(()).expand(out.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def _roots_only(function):
+    """``function`` as Megatron's ``CheckpointFunction`` runs it: its first call (the forward, no grad)
+    returns what ``function`` returns; a second call with grad enabled (the recompute inside the
+    backward, whose outputs only start the region's backward) returns each output that needs a
+    gradient as a :class:`ShapeOnly`, so the output itself is not held."""
+    calls = [0]
+
+    def run(*args):
+        calls[0] += 1
+        out = function(*args)
+        if calls[0] == 1 or not torch.is_grad_enabled():
+            return out
+        if isinstance(out, torch.Tensor):
+            return ShapeOnly.apply(out) if out.requires_grad else out
+        return type(out)(ShapeOnly.apply(t) if isinstance(t, torch.Tensor) and t.requires_grad else t for t in out)
+
+    return run
+
+
+def release_recomputed_outputs() -> None:
+    """Route ``megatron.core.tensor_parallel.checkpoint`` (what Megatron's full and selective recompute
+    call, on megatron-core 0.16 and 0.19) through :func:`_roots_only`.  Values and gradients are
+    unchanged.  Idempotent."""
+    from megatron.core import tensor_parallel
+
+    original = tensor_parallel.checkpoint
+    if getattr(original, "_roots_only", False):
+        return
+
+    @functools.wraps(original)
+    def checkpoint(function, distribute_saved_activations, *args):
+        return original(_roots_only(function), distribute_saved_activations, *args)
+
+    checkpoint._roots_only = True
+    tensor_parallel.checkpoint = checkpoint
+
+
 def checkpoint_min_bytes(seq_length: int, micro_batch_size: int, hidden_size: int, shards: int, bf16: bool) -> int:
     """Half a layer input's bytes on one rank (``seq_length / shards`` tokens of ``micro_batch_size``
     samples, ``hidden_size`` wide): what the flag moves is that large or larger."""
@@ -139,6 +230,7 @@ def enable_activation_offload(
     record to count in (a pipeline stage's chunks: one host peak).  Idempotent."""
     if getattr(model, "_offload_stats", None) is not None:
         return model._offload_stats
+    release_recomputed_outputs()
     if copy_host is None:
         copy_host = not torch.cuda.is_available()
     stats = stats if stats is not None else _new_stats()
@@ -155,4 +247,11 @@ def enable_activation_offload(
     return stats
 
 
-__all__: List[str] = ["HostOffload", "checkpoint_min_bytes", "enable_activation_offload"]
+__all__: List[str] = [
+    "HostOffload",
+    "ShapeOnly",
+    "checkpoint_min_bytes",
+    "enable_activation_offload",
+    "prefetch_point",
+    "release_recomputed_outputs",
+]
