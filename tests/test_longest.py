@@ -54,7 +54,9 @@ def test_offload_moves_the_layer_inputs_and_the_optimizer_to_the_host():
     logits = 65536 * 128256 * 4  # the loss's fp32 logits (no chunked loss here)
     adam_on_host = 16 * on["params_per_rank"]  # fp32 weights, gradients and two moments (dry run: measured)
     assert on["host_bytes"] == pytest.approx((32 + 2) * layer_input + logits + adam_on_host)
-    assert off["activations_bytes"] - on["activations_bytes"] == pytest.approx(30 * layer_input)
+    # on the device: the input in use (the layer below's comes back after the attention's backward),
+    # and the recomputed layer's output is not held through its backward (offload.ShapeOnly)
+    assert off["activations_bytes"] - on["activations_bytes"] == pytest.approx((31 + 1) * layer_input)
     assert on["optimizer_bytes"] == 0 and off["host_bytes"] == 0
 
 

@@ -17,7 +17,8 @@ no s x s matrix):
   only each layer's input (and one layer's activations, all-to-all buffers -- at ulysses 1 the
   kernel's layout copies -- and ring blocks during its recompute); with
   ``--offload-activation-checkpoints`` those inputs live in host
-  memory (``host_bytes``) and two of them on the device (the one in use, the one prefetched);
+  memory (``host_bytes``) and one of them on the device at the recomputed layer's peak (the one in
+  use; the layer below's comes back after the attention's backward);
   with ``--optimizer-cpu-offload`` Adam's state and master weights are host memory too.
 * all-to-all bytes sent per rank per layer: ``(P-1)/P`` of the local q, k, v (kv heads
   replicated where they are fewer than P) and of the output, forward and backward.
@@ -76,6 +77,7 @@ class _Shape:
     tied_embeddings: bool = False  # the output layer shares the input embedding (Megatron-LM's default)
     grad_reduce_in_bf16: bool = False  # --grad-reduce-in-bf16 (with --bf16): DDP's gradient buffer in bf16
     bias_linear: bool = True  # the linear layers' biases (Megatron's default; --disable-bias-linear: none)
+    qk_layernorm: bool = False  # per-head query and key norms (--qk-layernorm): they save views of the QKV output
 
     @property
     def g(self):
@@ -169,7 +171,11 @@ def _activations(c: _Shape) -> float:
     if c.recompute == "full":  # layer inputs kept; one layer's activations live again during its backward
         # its all-to-alls' send and receive buffers of q, k, v and the output; at ulysses 1 the kernel's
         # own layout copies of them, once (the dry run: 10,240 elements a token for Llama-3-8B on one GPU)
-        exchange = (2 if c.ulysses > 1 else 1) * ((hq + 2 * hk) * d + hq * d)
+        exchange = 2 * ((hq + 2 * hk) * d + hq * d)
+        if c.ulysses == 1:  # fitted at tp 1, where it stands for residual-stream-wide tensors (gradients, norm
+            # outputs) that tp does not divide without sequence parallelism: the dry run of Qwen3-4B at tp 4
+            # (10.3 [s, h] at the recomputed layer's peak, 8 of them [s, h] wide) -- so its tp-1 width
+            exchange = c.tp * exchange / 2
         ring = 6 * hk * d + 2 * (hq * d + hq) if c.cp > 1 else 0  # k/v blocks in flight, fp32 output and lse
         # at ulysses 1 (no all-to-all buffers) the recomputed layer's peak is in its MLP phase, which the
         # tiled MLP made one [s, h] smaller (its backward held the per-chunk whole-sequence gradients of
@@ -177,8 +183,14 @@ def _activations(c: _Shape) -> float:
         tiled = h_tp if c.mlp_chunk_tokens and c.ulysses * c.cp == 1 else 0
         # there, at the tiled MLP's bias-dropout-add, its output plus its bias is one more [s, h] (the dry run)
         unbiased = tiled if not c.bias_linear else 0
-        layer_full, layer = layer + exchange + ring - tiled - unbiased, h_tp
-        kept = min(c.layers, 2) if c.offload else c.layers  # offloaded: the one in use and the one prefetched
+        # at ulysses 1 the kernel keeps its own copy of v, not the packed QKV projection v is a slice of
+        # (with --qk-layernorm the norms save views of the projection: it stays)
+        own_v = (hq + hk) * d if c.ulysses == 1 and not c.qk_layernorm else 0
+        # offloaded: Megatron's recompute holds its output's shape, not its bytes (offload.ShapeOnly)
+        released = h_tp if c.offload else 0
+        layer_full, layer = layer + exchange + ring - tiled - unbiased - own_v - released, h_tp
+        # offloaded: the input in use; the layer below's comes back after the attention's backward
+        kept = min(c.layers, 1) if c.offload else c.layers
     head = (c.hidden_size + 2) + c.hidden_size  # final norm, output-layer input (in the activations' dtype)
     tokens = c.s_local * c.micro_batch_size
     return c.act * tokens * (kept * layer + layer_full + head)

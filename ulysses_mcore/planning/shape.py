@@ -23,6 +23,7 @@ class ModelShape:
     vocab_size: int = 50304
     swiglu: bool = False
     kv_channels: Optional[int] = None  # None: hidden / heads (Megatron's default)
+    qk_layernorm: bool = False  # per-head query and key norms (--qk-layernorm)
 
     def __post_init__(self):
         if self.num_query_groups is None:
@@ -44,6 +45,7 @@ class ModelShape:
             vocab_size=vocab_size or args.vocab_size,
             swiglu=bool(getattr(args, "swiglu", False)),
             kv_channels=getattr(args, "kv_channels", None) or None,
+            qk_layernorm=bool(getattr(args, "qk_layernorm", False)),
         )
 
     @property
@@ -92,6 +94,7 @@ class ModelShape:
             self.ffn_hidden_size,
         ]
         flags += ["--kv-channels", self.kv_channels] if self.kv_channels else []
+        flags += ["--qk-layernorm"] if self.qk_layernorm else []
         return [str(f) for f in flags] + (["--swiglu"] if self.swiglu else [])
 
 
