@@ -74,3 +74,14 @@ def test_linear_biases_weigh_one_residual_tensor_in_the_recomputed_layer_at_ulys
 def test_unknown_inputs_are_refused():
     with pytest.raises(TypeError, match="num_layer"):
         estimate(num_layer=2, hidden_size=64, num_attention_heads=4)
+
+
+def test_qk_norms_keep_the_qkv_projection_in_the_recomputed_layer():
+    """--qk-layernorm's norms save views of the packed QKV projection, so it stays through the
+    recomputed layer's backward: at ulysses 1 the kernel's own copy of v frees nothing, at ulysses > 1
+    the all-to-all's copies do not free it (the dry run of Qwen3-4B at tp 2 x ulysses 2)."""
+    s, full = 65536, dict(LLAMA8B, recompute="full", mlp_chunk_tokens=4096, offload=True, bf16=True)
+    hq, hk, d = 32, 8, 128
+    for u, more in ((1, (hq + hk) * d), (4, (hq + 2 * hk) * d)):
+        plain, normed = (estimate(seq_length=s, ulysses=u, qk_layernorm=q, **full) for q in (False, True))
+        assert normed["activations_bytes"] - plain["activations_bytes"] == pytest.approx(2 * s / u * more)

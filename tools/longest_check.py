@@ -31,8 +31,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 LLAMA3_8B = (
     "--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --group-query-attention --num-query-groups 8 "
     "--ffn-hidden-size 14336 --swiglu --normalization RMSNorm --untie-embeddings-and-output-weights "
-    "--vocab-size 128256"
-)
+    "--vocab-size 128256 --disable-bias-linear"
+)  # Llama 3 has no linear biases
 TINY = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --vocab-size 1000"
 ITERATION = re.compile(r"iteration +(\d+)/.*elapsed time per iteration \(ms\): ([\d.]+).*peak memory \(GB\): ([\d.]+)")
 PLANNED = re.compile(r"planned peak ([\d.]+) GB")

@@ -186,6 +186,10 @@ def _activations(c: _Shape) -> float:
         # at ulysses 1 the kernel keeps its own copy of v, not the packed QKV projection v is a slice of
         # (with --qk-layernorm the norms save views of the projection: it stays)
         own_v = (hq + hk) * d if c.ulysses == 1 and not c.qk_layernorm else 0
+        # at ulysses > 1 the all-to-all's copies free the projection, unless those norms keep it (the dry run of
+        # Qwen3-4B at tp 2 x ulysses 2: the [s/P, (hq + 2 hk) d] projection live at the recomputed layer's peak)
+        if c.ulysses > 1 and c.qk_layernorm:
+            own_v = -(hq + 2 * hk) * d
         # offloaded: Megatron's recompute holds its output's shape, not its bytes (offload.ShapeOnly)
         released = h_tp if c.offload else 0
         layer_full, layer = layer + exchange + ring - tiled - unbiased - own_v - released, h_tp
