@@ -34,6 +34,7 @@ import functools
 from typing import List, Optional
 
 import torch
+from megatron.core import tensor_parallel
 
 
 _NEXT: list = []  # (hooks, saved): the copy back that the next prefetch point starts (at most one)
@@ -200,8 +201,6 @@ def release_recomputed_outputs() -> None:
     """Route ``megatron.core.tensor_parallel.checkpoint`` (what Megatron's full and selective recompute
     call, on megatron-core 0.16 and 0.19) through :func:`_roots_only`.  Values and gradients are
     unchanged.  Idempotent."""
-    from megatron.core import tensor_parallel
-
     original = tensor_parallel.checkpoint
     if getattr(original, "_roots_only", False):
         return
