@@ -183,16 +183,17 @@ def _activations(c: _Shape) -> float:
         tiled = h_tp if c.mlp_chunk_tokens and c.ulysses * c.cp == 1 else 0
         # there, at the tiled MLP's bias-dropout-add, its output plus its bias is one more [s, h] (the dry run)
         unbiased = tiled if not c.bias_linear else 0
-        # at ulysses 1 the kernel keeps its own copy of v, not the packed QKV projection v is a slice of
-        # (with --qk-layernorm the norms save views of the projection: it stays)
-        own_v = (hq + hk) * d if c.ulysses == 1 and not c.qk_layernorm else 0
-        # at ulysses > 1 the all-to-all's copies free the projection, unless those norms keep it (the dry run of
-        # Qwen3-4B at tp 2 x ulysses 2: the [s/P, (hq + 2 hk) d] projection live at the recomputed layer's peak)
-        if c.ulysses > 1 and c.qk_layernorm:
-            own_v = -(hq + 2 * hk) * d
+        # the packed QKV projection's share of the recomputed layer, against what the terms above count:
+        # at ulysses 1 the kernel keeps its own copy of v, not the projection v is a slice of (less); at
+        # ulysses > 1 the all-to-all's copies free it, but --qk-layernorm's norms save views of it, so it
+        # stays (more: the dry run of Qwen3-4B at tp 2 x ulysses 2; at ulysses 1 with them, no change)
+        if c.qk_layernorm:
+            projection = (hq + 2 * hk) * d if c.ulysses > 1 else 0
+        else:
+            projection = -(hq + hk) * d if c.ulysses == 1 else 0
         # offloaded: Megatron's recompute holds its output's shape, not its bytes (offload.ShapeOnly)
         released = h_tp if c.offload else 0
-        layer_full, layer = layer + exchange + ring - tiled - unbiased - own_v - released, h_tp
+        layer_full, layer = layer + exchange + ring - tiled - unbiased + projection - released, h_tp
         # offloaded: the input in use; the layer below's comes back after the attention's backward
         kept = min(c.layers, 1) if c.offload else c.layers
     head = (c.hidden_size + 2) + c.hidden_size  # final norm, output-layer input (in the activations' dtype)
